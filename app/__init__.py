@@ -1,0 +1,79 @@
+"""The ASGI service: `create_app()` wires settings, Redis, the harness and the channels."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+from collections.abc import AsyncIterator
+
+from redis.asyncio import Redis
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+
+from app.settings import Settings
+from channels.auth import ApiKeyAuth
+from channels.errors import http_error_handler, keel_error_handler
+from channels.http import routes
+from harness import Agent, Harness
+from harness.errors import KeelError
+
+log = logging.getLogger("keel")
+
+
+def load_agent(spec: str) -> Agent:
+    """`module:attribute` -> the Agent it names (an Agent, or a function returning one)."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"KEEL_AGENT must look like module:attribute, not {spec!r}")
+    obj = getattr(importlib.import_module(module_name), attr)
+    if callable(obj) and not isinstance(obj, Agent):
+        obj = obj()
+    if not isinstance(obj, Agent):
+        raise ValueError(f"KEEL_AGENT={spec} is a {type(obj).__name__}, not a harness.Agent")
+    return obj
+
+
+def redis_client(url: str) -> Redis:
+    return Redis.from_url(url, max_connections=512, health_check_interval=30)
+
+
+def create_app(
+    settings: Settings | None = None, *, redis_url: str | None = None, agent: Agent | None = None
+) -> Starlette:
+    settings = settings or Settings.from_env()
+    url = redis_url or settings.redis_url
+    if url is None:
+        raise ValueError("create_app needs a Redis URL (python -m app starts the embedded one)")
+    the_agent = agent or load_agent(settings.agent)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        redis = redis_client(url)
+        harness = Harness(
+            redis,
+            the_agent,
+            run_turns=settings.run_turns,
+            retention=settings.event_retention,
+            lease_ms=settings.lease_ms,
+            concurrency=settings.runner_concurrency,
+        )
+        await harness.start()
+        app.state.harness = harness
+        try:
+            yield
+        finally:
+            await harness.stop()
+            await redis.aclose()
+
+    app = Starlette(
+        routes=routes(),
+        middleware=[Middleware(ApiKeyAuth, keys=settings.api_keys)],
+        exception_handlers={KeelError: keel_error_handler, HTTPException: http_error_handler},
+        lifespan=lifespan,
+    )
+    app.state.max_body = settings.max_body
+    app.state.wait_timeout = settings.wait_timeout
+    app.state.sse_heartbeat = settings.sse_heartbeat
+    return app

@@ -1,0 +1,67 @@
+"""`python -m app`: serve keel with the settings from the environment (README: Configuration)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+
+import uvicorn
+from redis.exceptions import RedisError
+
+from app import create_app, redis_client
+from app.embedded import EmbeddedError, EmbeddedValkey
+from app.settings import Settings, SettingsError
+
+log = logging.getLogger("keel")
+
+
+async def _ping(url: str) -> None:
+    client = redis_client(url)
+    try:
+        await asyncio.wait_for(client.ping(), 5)
+    finally:
+        await client.aclose()
+
+
+def prepare(settings: Settings) -> tuple[str, EmbeddedValkey | None]:
+    """The Redis URL to use, starting the embedded server when REDIS_URL is unset."""
+    if settings.redis_url is None:
+        embedded = EmbeddedValkey(settings.data_dir)
+        url = embedded.start()
+        log.info("embedded Valkey at %s, data in %s", url, embedded.data_dir)
+        return url, embedded
+    try:
+        asyncio.run(_ping(settings.redis_url))
+    except (RedisError, OSError, TimeoutError) as exc:
+        raise SettingsError(f"REDIS_URL is not reachable: {type(exc).__name__}: {exc}") from None
+    return settings.redis_url, None
+
+
+def main() -> int:
+    try:
+        settings = Settings.from_env()
+    except SettingsError as exc:
+        print(f"keel: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not settings.api_keys:
+        log.warning("KEEL_API_KEYS is unset: no authentication, serving on loopback only")
+    try:
+        url, embedded = prepare(settings)
+    except (SettingsError, EmbeddedError) as exc:
+        print(f"keel: {exc}", file=sys.stderr)
+        return 1
+    try:
+        app = create_app(settings, redis_url=url)
+        uvicorn.run(
+            app, host=settings.host, port=settings.port, log_level=settings.log_level, timeout_graceful_shutdown=5
+        )
+    finally:
+        if embedded is not None:
+            embedded.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,46 @@
+"""The demo agent: a scripted model (no API key, no network) with two harmless tools, so a
+newcomer can see a whole turn, a tool call and page context at work."""
+
+from __future__ import annotations
+
+import re
+from datetime import UTC, datetime
+
+from harness import Agent, tool
+from harness.models import ModelReply, ModelRequest, ScriptedModel, ToolCall
+
+_ADD = re.compile(r"(-?\d+)\s*(?:\+|plus|and)\s*(-?\d+)")
+
+
+@tool
+def add(a: int, b: int) -> int:
+    """Add two whole numbers."""
+    return a + b
+
+
+@tool
+def utc_time() -> str:
+    """The current time in UTC, ISO 8601."""
+    return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+def _reply(request: ModelRequest) -> ModelReply:
+    last = request.messages[-1]
+    if last.role == "tool":
+        return ModelReply(text=f"The {last.tool_name} tool says: {last.text}")
+    text = last.text
+    if m := _ADD.search(text):
+        return ModelReply(tool_calls=[ToolCall("add", {"a": int(m[1]), "b": int(m[2])})])
+    if "time" in text.lower():
+        return ModelReply(tool_calls=[ToolCall("utc_time", {})])
+    context = [i.text.split("\n", 1)[-1] for i in request.messages if i.kind in ("context", "sticky")]
+    seen = f" I can see this page context: {'; '.join(context)}." if context else ""
+    return ModelReply(text=f"You said: {text!r}.{seen} (Try 'what time is it' or 'add 2 and 3'.)")
+
+
+agent = Agent(
+    name="demo",
+    instructions="You are keel's demo agent. Answer briefly.",
+    tools=[add, utc_time],
+    model=ScriptedModel(_reply, keep=0),
+)

@@ -1,0 +1,96 @@
+"""Settings from the environment. Every variable is listed in the README's configuration table."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DEMO_AGENT = "app.demo:agent"
+
+
+class SettingsError(ValueError):
+    """A setting has a value keel cannot use; the message names it."""
+
+
+def _int(env: dict[str, str], name: str, default: int, low: int = 1) -> int:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise SettingsError(f"{name} must be a whole number, not {raw!r}") from None
+    if value < low:
+        raise SettingsError(f"{name} must be at least {low}")
+    return value
+
+
+def _float(env: dict[str, str], name: str, default: float) -> float:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise SettingsError(f"{name} must be a number, not {raw!r}") from None
+    if not value > 0:
+        raise SettingsError(f"{name} must be positive")
+    return value
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True)
+class Settings:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    redis_url: str | None = None
+    data_dir: Path = Path(".keel")
+    agent: str = DEMO_AGENT
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    max_body: int = 1_048_576
+    run_turns: bool = True
+    runner_concurrency: int = 64
+    lease_ms: int = 5_000
+    event_retention: int = 10_000
+    wait_timeout: float = 60.0
+    sse_heartbeat: float = 15.0
+    log_level: str = "info"
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> Settings:
+        env = dict(os.environ) if env is None else env
+        keys = tuple(k.strip() for k in env.get("KEEL_API_KEYS", "").split(",") if k.strip())
+        run_turns = env.get("KEEL_RUN_TURNS", "1").lower()
+        if run_turns not in ("1", "0", "true", "false"):
+            raise SettingsError("KEEL_RUN_TURNS must be 1 or 0")
+        settings = cls(
+            host=env.get("KEEL_HOST") or "127.0.0.1",
+            port=_int(env, "KEEL_PORT", 8000, low=0),
+            redis_url=env.get("REDIS_URL") or None,
+            data_dir=Path(env.get("KEEL_DATA_DIR") or ".keel"),
+            agent=env.get("KEEL_AGENT") or DEMO_AGENT,
+            api_keys=keys,
+            max_body=_int(env, "KEEL_MAX_BODY_BYTES", 1_048_576),
+            run_turns=run_turns in ("1", "true"),
+            runner_concurrency=_int(env, "KEEL_RUNNER_CONCURRENCY", 64),
+            lease_ms=_int(env, "KEEL_LEASE_MS", 5_000, low=500),
+            event_retention=_int(env, "KEEL_EVENT_RETENTION", 10_000, low=100),
+            wait_timeout=_float(env, "KEEL_WAIT_TIMEOUT", 60.0),
+            sse_heartbeat=_float(env, "KEEL_SSE_HEARTBEAT", 15.0),
+            log_level=(env.get("KEEL_LOG_LEVEL") or "info").lower(),
+        )
+        if not settings.api_keys and not is_loopback(settings.host):
+            raise SettingsError(
+                f"KEEL_API_KEYS is unset: keel serves without auth only on loopback, not on KEEL_HOST={settings.host}"
+            )
+        return settings

@@ -1,0 +1,53 @@
+"""`python -m app.worker`: a turn runner without HTTP, against the REDIS_URL the web process uses."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+
+from app import load_agent, redis_client
+from app.__main__ import prepare
+from app.settings import Settings, SettingsError
+from harness import Harness
+
+log = logging.getLogger("keel.worker")
+
+
+async def run(settings: Settings, url: str) -> None:
+    redis = redis_client(url)
+    harness = Harness(
+        redis,
+        load_agent(settings.agent),
+        retention=settings.event_retention,
+        lease_ms=settings.lease_ms,
+        concurrency=settings.runner_concurrency,
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await harness.start()
+    log.info("worker running turns")
+    await stop.wait()
+    await harness.stop()
+    await redis.aclose()
+
+
+def main() -> int:
+    try:
+        settings = Settings.from_env()
+        if settings.redis_url is None:
+            raise SettingsError("the worker needs REDIS_URL: the embedded Valkey belongs to one web process")
+        logging.basicConfig(level=settings.log_level.upper())
+        url, _ = prepare(settings)
+    except SettingsError as exc:
+        print(f"keel worker: {exc}", file=sys.stderr)
+        return 1
+    asyncio.run(run(settings, url))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

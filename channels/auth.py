@@ -1,0 +1,69 @@
+"""API-key authentication as pure ASGI middleware (no BaseHTTPMiddleware: it breaks contextvars).
+
+With keys configured, every `/v1` request needs `Authorization: Bearer <key>`; the caller's
+identity (`owner`) is a digest of its key, so sessions are visible only to the key that made
+them and no key is ever stored. With no keys, everyone is the same anonymous owner (the
+service then refuses to listen beyond loopback)."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Iterable
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from channels.errors import error_body
+
+ANONYMOUS = "anon"
+
+
+def owner_of(key: str) -> str:
+    return hashlib.sha256(b"keel-owner:" + key.encode()).hexdigest()[:32]
+
+
+class ApiKeyAuth:
+    def __init__(self, app: ASGIApp, keys: Iterable[str]) -> None:
+        self.app = app
+        self._digests = [hashlib.sha256(k.encode()).digest() for k in keys if k]
+
+    def identify(self, header: bytes | None) -> str | None:
+        """The owner for an Authorization header, or None. Compares against every key in
+        constant time, whatever matches first."""
+        if not self._digests:
+            return ANONYMOUS
+        if header is None or header[:7].lower() != b"bearer ":
+            return None
+        given = header[7:].strip()
+        digest = hashlib.sha256(given).digest()
+        found = False
+        for d in self._digests:
+            found |= hmac.compare_digest(d, digest)
+        return owner_of(given.decode("utf-8", "replace")) if found else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket") or not scope["path"].startswith("/v1/"):
+            await self.app(scope, receive, send)
+            return
+        header = next((v for k, v in scope["headers"] if k == b"authorization"), None)
+        owner = self.identify(header)
+        if owner is None:
+            if scope["type"] == "websocket":
+                await send({"type": "websocket.close", "code": 4401, "reason": "unauthorized"})
+                return
+            body = error_body("unauthorized", "missing or wrong API key (Authorization: Bearer <key>)")
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 401,
+                    "headers": [
+                        (b"content-type", b"application/json"),
+                        (b"www-authenticate", b"Bearer"),
+                        (b"content-length", str(len(body)).encode()),
+                    ],
+                }
+            )
+            await send({"type": "http.response.body", "body": body})
+            return
+        scope.setdefault("state", {})["owner"] = owner
+        await self.app(scope, receive, send)

@@ -1,0 +1,54 @@
+"""Every error a channel sends: `{"error": {"code", "message"}}` with a 4xx status."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import msgspec
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+
+from harness.errors import Conflict, InvalidInput, KeelError, NotFound
+
+_enc = msgspec.json.Encoder()
+_STATUS: list[tuple[type[KeelError], int]] = [(InvalidInput, 400), (NotFound, 404), (Conflict, 409)]
+_HTTP_CODES = {
+    400: "bad_request",
+    401: "unauthorized",
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "too_large",
+    415: "unsupported_media_type",
+}
+
+
+class ChannelError(KeelError):
+    """An error with its HTTP status, raised by the channel itself."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message, code=code)
+        self.status = status
+
+
+def error_body(code: str, message: str) -> bytes:
+    return _enc.encode({"error": {"code": code, "message": message}})
+
+
+def error_response(status: int, code: str, message: str, headers: Mapping[str, str] | None = None) -> Response:
+    return Response(error_body(code, message), status_code=status, media_type="application/json", headers=headers)
+
+
+async def keel_error_handler(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, KeelError)
+    if isinstance(exc, ChannelError):
+        return error_response(exc.status, exc.code, exc.message)
+    status = next((s for cls, s in _STATUS if isinstance(exc, cls)), 400)
+    return error_response(status, exc.code, exc.message)
+
+
+async def http_error_handler(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    return error_response(
+        exc.status_code, _HTTP_CODES.get(exc.status_code, "http_error"), str(exc.detail), headers=exc.headers
+    )

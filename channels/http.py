@@ -1,0 +1,156 @@
+"""The HTTP channel: REST for commands and reads (SSE lives in `channels.sse`).
+
+Handlers decode and validate at the edge, call the Harness, and encode its values. Nothing is
+written unless the whole request was valid (I10)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from redis.exceptions import RedisError
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from channels.errors import ChannelError, error_response
+from channels.types import create_session_decoder, send_message_decoder
+from harness import Harness
+from harness.types import Item
+
+_enc = msgspec.json.Encoder()
+MAX_WAIT_S = 300.0
+
+
+def json_response(value: Any, status: int = 200) -> Response:
+    return Response(_enc.encode(value), status_code=status, media_type="application/json")
+
+
+def harness_of(request: Request) -> Harness:
+    h: Harness = request.app.state.harness
+    return h
+
+
+def owner_of(request: Request) -> str:
+    owner: str = request.state.owner
+    return owner
+
+
+async def read_body(request: Request) -> bytes:
+    """The request body, refusing more than the configured limit without reading it all."""
+    limit: int = request.app.state.max_body
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ChannelError(413, "too_large", f"the body is larger than {limit} bytes")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ChannelError(413, "too_large", f"the body is larger than {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def decode(decoder: msgspec.json.Decoder[Any], body: bytes, *, empty_ok: bool = False) -> Any:
+    if not body.strip():
+        if empty_ok:
+            body = b"{}"
+        else:
+            raise ChannelError(400, "invalid_request", "the body must be a JSON object")
+    try:
+        return decoder.decode(body)
+    except msgspec.ValidationError as exc:
+        raise ChannelError(400, "invalid_request", str(exc)) from exc
+    except msgspec.DecodeError as exc:
+        raise ChannelError(400, "invalid_json", f"the body is not valid JSON: {exc}") from exc
+
+
+def flag(request: Request, name: str) -> bool:
+    raw = request.query_params.get(name)
+    if raw is None or raw in ("false", "0", ""):
+        return False
+    if raw in ("true", "1"):
+        return True
+    raise ChannelError(400, "invalid_query", f"?{name}= takes true or false")
+
+
+def item_json(item: Item) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "id": item.id,
+        "role": item.role,
+        "text": item.text,
+        "kind": item.kind,
+        "turn_id": item.turn_id,
+    }
+    if item.tool_calls:
+        out["tool_calls"] = [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in item.tool_calls]
+    if item.tool_call_id is not None:
+        out["tool_call_id"] = item.tool_call_id
+        out["tool_name"] = item.tool_name
+        out["is_error"] = item.is_error
+    if item.message_id is not None:
+        out["message_id"] = item.message_id
+    return out
+
+
+async def create_session(request: Request) -> Response:
+    body = decode(create_session_decoder, await read_body(request), empty_ok=True)
+    sid = await harness_of(request).create_session(owner_of(request), body.metadata)
+    return json_response({"session_id": sid}, 201)
+
+
+async def send_message(request: Request) -> Response:
+    sid = request.path_params["sid"]
+    wait = flag(request, "wait")
+    timeout = request.app.state.wait_timeout
+    if "timeout" in request.query_params:
+        try:
+            timeout = min(float(request.query_params["timeout"]), MAX_WAIT_S)
+        except ValueError:
+            raise ChannelError(400, "invalid_query", "?timeout= takes seconds") from None
+        if not timeout > 0:
+            raise ChannelError(400, "invalid_query", "?timeout= must be positive")
+    body = decode(send_message_decoder, await read_body(request))
+    harness = harness_of(request)
+    result = await harness.submit(sid, owner_of(request), body.text, body.context, body.message_id)
+    if not wait:
+        return json_response({"session_id": sid, "message_id": result.message_id}, 202)
+    turn = await harness.wait_turn(result, timeout)
+    return json_response(turn, 200)
+
+
+async def get_session(request: Request) -> Response:
+    info = await harness_of(request).session(request.path_params["sid"], owner_of(request))
+    return json_response(info)
+
+
+async def get_history(request: Request) -> Response:
+    items = await harness_of(request).history(request.path_params["sid"], owner_of(request))
+    return json_response({"items": [item_json(i) for i in items]})
+
+
+async def healthz(request: Request) -> Response:
+    return json_response({"ok": True})
+
+
+async def readyz(request: Request) -> Response:
+    try:
+        await harness_of(request).redis.ping()
+    except (RedisError, OSError) as exc:
+        return error_response(503, "redis_unavailable", f"Redis is not reachable: {type(exc).__name__}")
+    return json_response({"ok": True})
+
+
+def routes() -> list[Route]:
+    from channels.sse import stream_events
+
+    return [
+        Route("/healthz", healthz, methods=["GET"]),
+        Route("/readyz", readyz, methods=["GET"]),
+        Route("/v1/sessions", create_session, methods=["POST"]),
+        Route("/v1/sessions/{sid}", get_session, methods=["GET"]),
+        Route("/v1/sessions/{sid}/messages", send_message, methods=["POST"]),
+        Route("/v1/sessions/{sid}/history", get_history, methods=["GET"]),
+        Route("/v1/sessions/{sid}/events", stream_events, methods=["GET"]),
+    ]

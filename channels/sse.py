@@ -1,0 +1,36 @@
+"""Server-sent events: replay a session's outbox after a given id, then follow it live.
+
+`id:` is the event id (a Redis stream id), `event:` its type, `data:` the envelope. A client
+resumes with `Last-Event-ID` (EventSource does this itself) or `?after=`; a comment line is sent
+as a heartbeat when nothing happened for a while."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from channels.http import harness_of, owner_of
+from harness.service import check_event_id
+
+HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+async def stream_events(request: Request) -> Response:
+    sid = request.path_params["sid"]
+    after = request.query_params.get("after") or request.headers.get("last-event-id") or "0-0"
+    check_event_id(after)
+    harness = harness_of(request)
+    await harness.check_owner(sid, owner_of(request))
+    heartbeat: float = request.app.state.sse_heartbeat
+
+    async def body() -> AsyncIterator[bytes]:
+        yield b"retry: 2000\n\n"
+        async for event in harness.tail(sid, after, heartbeat=heartbeat):
+            if event is None:
+                yield b": keep-alive\n\n"
+            else:
+                yield b"id: %s\nevent: %s\ndata: %s\n\n" % (event.id.encode(), event.type.encode(), event.raw)
+
+    return StreamingResponse(body(), media_type="text/event-stream", headers=HEADERS)

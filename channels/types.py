@@ -1,0 +1,24 @@
+"""Wire types of the HTTP channel, validated at the edge (unknown fields are errors)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import msgspec
+
+Text = Annotated[str, msgspec.Meta(min_length=1)]
+ContextValue = str | list[str] | dict[str, str | None] | None
+
+
+class CreateSession(msgspec.Struct, forbid_unknown_fields=True):
+    metadata: dict[str, Any] = {}
+
+
+class SendMessage(msgspec.Struct, forbid_unknown_fields=True):
+    text: Text
+    context: ContextValue = None
+    message_id: str | None = None
+
+
+create_session_decoder = msgspec.json.Decoder(CreateSession)
+send_message_decoder = msgspec.json.Decoder(SendMessage)

@@ -1,0 +1,105 @@
+"""Wakes readers of a session's outbox when new events are committed.
+
+Commits made in this process notify directly; a single background poller notices commits made
+by other processes (XREAD BLOCK over the watched sessions). Readers always read the outbox
+stream itself: the hub only tells them when to look.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from redis.asyncio import Redis
+
+from harness.keys import SessionKeys
+
+log = logging.getLogger("keel.hub")
+
+
+class Watch:
+    def __init__(self) -> None:
+        self._flag = asyncio.Event()
+
+    def wake(self) -> None:
+        self._flag.set()
+
+    async def wait(self, timeout: float) -> bool:
+        """True if woken, False on timeout."""
+        try:
+            await asyncio.wait_for(self._flag.wait(), timeout)
+        except TimeoutError:
+            return False
+        self._flag.clear()
+        return True
+
+
+class EventHub:
+    def __init__(self, redis: Redis | None = None, *, poll_block_ms: int = 500) -> None:
+        self._redis = redis
+        self._block = poll_block_ms
+        self._watches: dict[str, set[Watch]] = {}
+        self._last: dict[str, str] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    def notify(self, sid: str) -> None:
+        for w in self._watches.get(sid, ()):
+            w.wake()
+
+    @contextlib.asynccontextmanager
+    async def watch(self, sid: str) -> AsyncIterator[Watch]:
+        w = Watch()
+        self._watches.setdefault(sid, set()).add(w)
+        try:
+            yield w
+        finally:
+            ws = self._watches.get(sid)
+            if ws is not None:
+                ws.discard(w)
+                if not ws:
+                    del self._watches[sid]
+                    self._last.pop(sid, None)
+
+    def start(self) -> None:
+        if self._redis is not None and self._task is None:
+            self._task = asyncio.create_task(self._poll(), name="keel-hub-poller")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _poll(self) -> None:
+        assert self._redis is not None
+        redis = self._redis
+        while True:
+            try:
+                sids = list(self._watches)
+                if not sids:
+                    await asyncio.sleep(self._block / 1000)
+                    continue
+                new = [s for s in sids if s not in self._last]
+                if new:
+                    async with redis.pipeline(transaction=False) as pipe:
+                        for s in new:
+                            pipe.xrevrange(SessionKeys(s).outbox, count=1)
+                        tails: Any = await pipe.execute()
+                    for s, tail in zip(new, tails, strict=True):
+                        self._last[s] = tail[0][0].decode() if tail else "0-0"
+                streams: Any = {SessionKeys(s).outbox: self._last[s] for s in sids if s in self._last}
+                res: Any = await redis.xread(streams, count=1, block=self._block)
+                for key, entries in res:
+                    sid = key.decode().split("{", 1)[1].rsplit("}", 1)[0]
+                    if sid in self._watches:
+                        self._last[sid] = entries[-1][0].decode()
+                        self.notify(sid)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # Redis away: keep serving local notifications, retry
+                log.warning("event poller: %s; retrying", exc)
+                await asyncio.sleep(1.0)

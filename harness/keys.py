@@ -1,0 +1,25 @@
+"""Every Redis key keel uses. All keys of one session share the hash tag `{<session_id>}`, so an
+atomic operation on a session touches one cluster slot."""
+
+from __future__ import annotations
+
+PREFIX = "keel"
+JOBS = f"{PREFIX}:{{jobs}}:stream"  # turn jobs: "session <id> has work"; consumer group below
+JOBS_GROUP = "runners"
+
+
+class SessionKeys:
+    """The keys of one session, built once per use."""
+
+    __slots__ = ("history", "inbox", "lease", "meta", "mids", "outbox", "sid", "sticky")
+
+    def __init__(self, sid: str) -> None:
+        base = f"{PREFIX}:{{{sid}}}:"
+        self.sid = sid
+        self.meta = base + "meta"  # hash: status, version, seq, fence, usage, turn state
+        self.history = base + "history"  # list of encoded Items (durable, append-only)
+        self.sticky = base + "sticky"  # hash: context key -> text (keyed page context)
+        self.inbox = base + "inbox"  # list of encoded InboxMessages, oldest first
+        self.mids = base + "mids"  # hash: message_id -> "turn_id received_id" (idempotency)
+        self.outbox = base + "outbox"  # stream of events
+        self.lease = base + "lease"  # string: fencing token of the runner that owns the session

@@ -1,0 +1,52 @@
+"""ScriptedModel: a model whose replies come from a Python function. The test double of the
+model port, shipped in the package so apps and tests use the same one."""
+
+from __future__ import annotations
+
+import inspect
+from collections import deque
+from collections.abc import Awaitable, Callable
+
+from harness.models.base import ModelReply, ModelRequest
+from harness.types import Usage
+
+ScriptFn = Callable[[ModelRequest], ModelReply | Awaitable[ModelReply]]
+
+
+def estimate_tokens(text: str) -> int:
+    """A rough token count (4 characters a token), the same everywhere keel estimates."""
+    return (len(text) + 3) // 4
+
+
+def request_tokens(request: ModelRequest) -> int:
+    n = estimate_tokens(request.system)
+    for spec in request.tools:
+        n += estimate_tokens(spec.name) + estimate_tokens(spec.description) + 8
+    for item in request.messages:
+        n += estimate_tokens(item.text) + 4
+        for call in item.tool_calls:
+            n += estimate_tokens(call.name) + 8 + len(call.arguments) * 4
+    return n
+
+
+class ScriptedModel:
+    """`fn(request) -> ModelReply`, sync or async. Requests are kept in `.requests` (the last
+    `keep` of them; all when None) so a test can assert what the model was shown. A reply
+    without usage gets an estimate."""
+
+    def __init__(self, fn: ScriptFn, *, keep: int | None = None) -> None:
+        self._fn = fn
+        self.requests: deque[ModelRequest] = deque(maxlen=keep)
+
+    async def complete(self, request: ModelRequest) -> ModelReply:
+        self.requests.append(request)
+        reply = self._fn(request)
+        if inspect.isawaitable(reply):
+            reply = await reply
+        if not isinstance(reply, ModelReply):
+            raise TypeError(f"scripted model function returned {type(reply).__name__}, not ModelReply")
+        if reply.usage is None:
+            out = estimate_tokens(reply.text) + 8 * len(reply.tool_calls)
+            usage = Usage(input_tokens=request_tokens(request), output_tokens=out)
+            reply = ModelReply(text=reply.text, tool_calls=reply.tool_calls, usage=usage)
+        return reply

@@ -1,0 +1,53 @@
+"""The turn job stream. A job says only "session X has work": the session inbox is the truth,
+so a duplicate job is harmless and a job is acknowledged once its session's inbox was drained
+(or handed to a live lease holder)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.exceptions import ResponseError
+
+from harness.keys import JOBS, JOBS_GROUP
+
+
+def consumer_name() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+class JobQueue:
+    def __init__(self, redis: Redis, *, consumer: str | None = None) -> None:
+        self.redis = redis
+        self.consumer = consumer or consumer_name()
+
+    async def ensure_group(self) -> None:
+        try:
+            await self.redis.xgroup_create(JOBS, JOBS_GROUP, id="0", mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    async def enqueue(self, sid: str) -> None:
+        await self.redis.xadd(JOBS, {"s": sid})
+
+    async def take(self, count: int, block_ms: int) -> list[tuple[str, str]]:
+        """New jobs for this consumer: (job id, session id)."""
+        res: Any = await self.redis.xreadgroup(JOBS_GROUP, self.consumer, {JOBS: ">"}, count=count, block=block_ms)
+        return [(jid.decode(), fields[b"s"].decode()) for _, entries in res for jid, fields in entries]
+
+    async def reclaim(self, min_idle_ms: int, count: int = 100) -> list[tuple[str, str]]:
+        """Jobs another consumer took and has not finished for `min_idle_ms` (it may be dead)."""
+        claimed: Any = await self.redis.xautoclaim(
+            JOBS, JOBS_GROUP, self.consumer, min_idle_ms, start_id="0-0", count=count
+        )
+        entries = claimed[1]
+        return [(jid.decode(), fields[b"s"].decode()) for jid, fields in entries if fields]
+
+    async def done(self, job_id: str) -> None:
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.xack(JOBS, JOBS_GROUP, job_id)
+            pipe.xdel(JOBS, job_id)
+            await pipe.execute()

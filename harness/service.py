@@ -1,0 +1,189 @@
+"""Harness: the one object a channel talks to. Wire-agnostic: takes validated values, returns
+msgspec values, raises `harness.errors`."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import AsyncIterator
+from typing import Any
+
+from redis.asyncio import Redis
+
+from harness.agent import Agent
+from harness.context import split_context
+from harness.errors import InvalidInput, NotFound
+from harness.hub import EventHub
+from harness.ids import new_id
+from harness.queue import JobQueue
+from harness.runner import Runner
+from harness.store import Store, StoredEvent, decode_data
+from harness.types import InboxMessage, Item, PageContext, SessionInfo, SessionStatus, SubmitResult, TurnResult
+
+SESSION_ID = re.compile(r"^ses_[0-9a-z]{26}$")
+EVENT_ID = re.compile(r"^\d{1,20}-\d{1,20}$")
+MESSAGE_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+TERMINAL = {"turn.completed": "completed", "turn.failed": "failed", "turn.cancelled": "cancelled"}
+
+
+def check_session_id(sid: str) -> str:
+    if not SESSION_ID.match(sid):
+        raise NotFound(f"no session {sid[:64]}", code="session_not_found")
+    return sid
+
+
+def check_event_id(eid: str) -> str:
+    if not EVENT_ID.match(eid):
+        raise InvalidInput("an event id looks like 1700000000000-0", code="invalid_event_id")
+    return eid
+
+
+class Harness:
+    def __init__(
+        self,
+        redis: Redis,
+        agent: Agent,
+        *,
+        run_turns: bool = True,
+        retention: int = 10_000,
+        lease_ms: int = 5_000,
+        concurrency: int = 64,
+    ) -> None:
+        self.redis = redis
+        self.agent = agent
+        self.store = Store(redis, retention=retention)
+        self.queue = JobQueue(redis)
+        self.hub = EventHub(redis)
+        self.runner = (
+            Runner(self.store, self.queue, agent, self.hub.notify, concurrency=concurrency, lease_ms=lease_ms)
+            if run_turns
+            else None
+        )
+
+    async def start(self) -> None:
+        await self.queue.ensure_group()
+        self.hub.start()
+        if self.runner is not None:
+            self.runner.start()
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.stop()
+        await self.hub.stop()
+
+    # ---- commands ----------------------------------------------------------------------
+
+    async def create_session(self, owner: str, metadata: dict[str, Any] | None = None) -> str:
+        sid = new_id("ses")
+        await self.store.create(sid, owner, metadata or {})
+        self.hub.notify(sid)
+        return sid
+
+    async def submit(
+        self, sid: str, owner: str, text: str, context: PageContext = None, message_id: str | None = None
+    ) -> SubmitResult:
+        """Queue a user message; one turn per distinct message_id. Returns once it is durable."""
+        check_session_id(sid)
+        if message_id is None:
+            message_id = new_id("msg")
+        elif not MESSAGE_ID.match(message_id):
+            raise InvalidInput(
+                "message_id must be 1 to 128 characters of A-Z a-z 0-9 . _ : -", code="invalid_message_id"
+            )
+        turn_only, sticky = split_context(context)
+        message = InboxMessage(
+            message_id=message_id, turn_id=new_id("turn"), text=text, context=turn_only, sticky=sticky
+        )
+        duplicate, turn_id, received_id = await self.store.submit(sid, owner, message)
+        # Enqueue even for a duplicate: if the first attempt died between recording the
+        # message and enqueueing its job, the client's retry is what repairs it.
+        await self.queue.enqueue(sid)
+        self.hub.notify(sid)
+        return SubmitResult(
+            session_id=sid, message_id=message_id, turn_id=turn_id, received_id=received_id, duplicate=duplicate
+        )
+
+    # ---- reads -------------------------------------------------------------------------
+
+    async def session(self, sid: str, owner: str) -> SessionInfo:
+        check_session_id(sid)
+        meta = await self.store.meta(sid, owner)
+        queued = await self.store.queued(sid)
+        usage = {
+            "input_tokens": int(meta.get("u_in", 0)),
+            "output_tokens": int(meta.get("u_out", 0)),
+            "cached_tokens": int(meta.get("u_cached", 0)),
+            "model_calls": int(meta.get("u_calls", 0)),
+        }
+        status: SessionStatus = meta["status"]  # type: ignore[assignment]
+        return SessionInfo(
+            session_id=sid,
+            status=status,
+            pending=[],
+            queued=queued,
+            usage=usage,
+            metadata=decode_data(meta["metadata"].encode()),
+            created_at=float(meta["created_at"]),
+        )
+
+    async def history(self, sid: str, owner: str) -> list[Item]:
+        check_session_id(sid)
+        return await self.store.history(sid, owner)
+
+    async def check_owner(self, sid: str, owner: str) -> None:
+        check_session_id(sid)
+        await self.store.meta(sid, owner)
+
+    async def tail(self, sid: str, after: str, *, heartbeat: float) -> AsyncIterator[StoredEvent | None]:
+        """Events after `after`, then live ones, forever. Yields None after `heartbeat` seconds
+        without an event (for keep-alives). The caller checks ownership first."""
+        async with self.hub.watch(sid) as watch:
+            while True:
+                batch = await self.store.events(sid, after)
+                if batch:
+                    for event in batch:
+                        yield event
+                    after = batch[-1].id
+                    continue
+                if not await watch.wait(heartbeat):
+                    yield None
+
+    async def wait_turn(self, result: SubmitResult, timeout: float) -> TurnResult:
+        """Wait until the message's turn settles; returns its events (from message.received on)."""
+        sid, turn_id = result.session_id, result.turn_id
+        events: list[dict[str, Any]] = []
+        after = _before(result.received_id)
+        marker = b'"turn_id":"' + turn_id.encode() + b'"'
+
+        async def collect() -> TurnResult:
+            async for entry in self.tail(sid, after, heartbeat=timeout):
+                if entry is None:
+                    continue
+                if marker not in entry.raw:
+                    continue
+                event = decode_data(entry.raw)
+                events.append(event)
+                status = TERMINAL.get(entry.type)
+                if status is not None:
+                    reply = event["data"].get("reply")
+                    return TurnResult(
+                        session_id=sid,
+                        message_id=result.message_id,
+                        status=status,  # type: ignore[arg-type]
+                        reply=reply,
+                        events=events,
+                    )
+            raise AssertionError("unreachable")
+
+        try:
+            return await asyncio.wait_for(collect(), timeout)
+        except TimeoutError:
+            return TurnResult(session_id=sid, message_id=result.message_id, status="pending", reply=None, events=events)
+
+
+def _before(eid: str) -> str:
+    """The stream id just before `eid`, so a read 'after' it includes `eid` itself."""
+    ms, seq = (int(x) for x in eid.split("-"))
+    if seq > 0:
+        return f"{ms}-{seq - 1}"
+    return f"{ms - 1}-{2**64 - 1}" if ms > 0 else "0-0"

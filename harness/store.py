@@ -1,0 +1,187 @@
+"""The session store on Redis: the only module (with the job queue) that talks to Redis.
+
+Every change to a session is one of the scripts in `harness.lua`, guarded where it matters by
+the session lease's fencing token. Reads are plain commands.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import msgspec
+from redis.asyncio import Redis
+
+from harness import lua
+from harness.errors import Conflict, NotFound, StaleLease
+from harness.keys import SessionKeys
+from harness.types import Event, InboxMessage, Item, inbox_decoder, item_decoder
+
+_enc = msgspec.json.Encoder()
+_data_dec = msgspec.json.Decoder(dict[str, Any])
+
+
+def event_body(turn_id: str | None, data: dict[str, Any], at: float | None = None) -> bytes:
+    """The stored tail of an envelope: `"turn_id":...,"at":...,"data":...}`."""
+    at = time.time() if at is None else at
+    tid = b"null" if turn_id is None else _enc.encode(turn_id)
+    return b'"turn_id":' + tid + b',"at":' + _enc.encode(round(at, 6)) + b',"data":' + _enc.encode(data) + b"}"
+
+
+class Begun(msgspec.Struct, frozen=True):
+    """What BEGIN hands a runner: its fencing token and the state of the turn to run."""
+
+    fence: str
+    message: InboxMessage
+    history: list[Item]  # active history before this turn
+    turn_items: list[Item]  # what this turn already committed (non-empty only on resume)
+    sticky: dict[str, str]
+
+
+class Busy(msgspec.Struct, frozen=True):
+    retry_ms: int
+
+
+class Committed(msgspec.Struct, frozen=True):
+    event_ids: list[str]
+    more: bool  # final commit only: the inbox has another message, lease kept
+
+
+class Store:
+    def __init__(self, redis: Redis, *, retention: int = 10_000) -> None:
+        self.redis = redis
+        self.retention = retention
+        self._create = redis.register_script(lua.CREATE)
+        self._submit = redis.register_script(lua.SUBMIT)
+        self._begin = redis.register_script(lua.BEGIN)
+        self._commit = redis.register_script(lua.COMMIT)
+        self._renew = redis.register_script(lua.RENEW)
+        self._release = redis.register_script(lua.RELEASE)
+
+    # ---- session lifecycle -------------------------------------------------------------
+
+    async def create(self, sid: str, owner: str, metadata: dict[str, Any]) -> None:
+        k = SessionKeys(sid)
+        body = event_body(None, {"metadata": metadata})
+        res = await self._create(
+            keys=[k.meta, k.outbox], args=[owner, repr(time.time()), _enc.encode(metadata), self.retention, body]
+        )
+        if res[0] == b"exists":
+            raise Conflict(f"session {sid} exists", code="session_exists")
+
+    async def meta(self, sid: str, owner: str) -> dict[str, str]:
+        raw: Any = await self.redis.hgetall(SessionKeys(sid).meta)
+        meta = {k.decode(): v.decode() for k, v in raw.items()}
+        if not meta or meta.get("owner") != owner:
+            raise NotFound(f"no session {sid}", code="session_not_found")
+        return meta
+
+    async def queued(self, sid: str) -> int:
+        return int(await self.redis.llen(SessionKeys(sid).inbox))
+
+    async def submit(self, sid: str, owner: str, message: InboxMessage) -> tuple[bool, str, str]:
+        """Record a message and its message.received event. Returns (duplicate, turn_id,
+        received event id); a repeated message_id returns the first one's ids."""
+        k = SessionKeys(sid)
+        body = event_body(message.turn_id, {"message_id": message.message_id, "text": message.text})
+        res = await self._submit(
+            keys=[k.meta, k.inbox, k.mids, k.outbox],
+            args=[owner, message.message_id, message.turn_id, _enc.encode(message)[1:], self.retention, body],
+        )
+        tag = res[0]
+        if tag == b"missing":
+            raise NotFound(f"no session {sid}", code="session_not_found")
+        if tag == b"dup":
+            turn_id, received_id = res[1].decode().split(" ", 1)
+            return True, turn_id, received_id
+        return False, message.turn_id, res[1].decode()
+
+    # ---- turns ---------------------------------------------------------------------------
+
+    async def begin(self, sid: str, fence: str, lease_ms: int) -> Begun | Busy | None:
+        """Take the session for its next turn. None: nothing to do (or no session)."""
+        k = SessionKeys(sid)
+        res = await self._begin(
+            keys=[k.meta, k.inbox, k.lease, k.history, k.sticky, k.outbox],
+            args=[fence, lease_ms, repr(time.time()), self.retention],
+        )
+        tag = res[0]
+        if tag == b"busy":
+            return Busy(retry_ms=max(int(res[1]), 1))
+        if tag != b"ok":
+            return None
+        message = inbox_decoder.decode(res[2])
+        n_before = int(res[3])
+        flat = res[4]
+        sticky = {flat[i].decode(): flat[i + 1].decode() for i in range(0, len(flat), 2)}
+        items = [item_decoder.decode(raw) for raw in res[5]]
+        return Begun(
+            fence=str(res[1]), message=message, history=items[:n_before], turn_items=items[n_before:], sticky=sticky
+        )
+
+    async def commit(
+        self,
+        sid: str,
+        fence: str,
+        turn_id: str,
+        items: Sequence[Item],
+        events: Sequence[tuple[str, bytes]],
+        *,
+        usage: tuple[int, int, int, int] = (0, 0, 0, 0),
+        final: bool = False,
+    ) -> Committed:
+        k = SessionKeys(sid)
+        args: list[Any] = [fence, turn_id, self.retention, "1" if final else "0", *usage, len(items)]
+        args.extend(_enc.encode(item) for item in items)
+        for etype, body in events:
+            args.append(etype)
+            args.append(body)
+        res = await self._commit(keys=[k.meta, k.lease, k.history, k.outbox, k.inbox], args=args)
+        if res[0] == b"stale":
+            raise StaleLease(f"session {sid}: lease {fence} is no longer held")
+        return Committed(event_ids=[i.decode() for i in res[1]], more=res[0] == b"more")
+
+    async def renew(self, sid: str, fence: str, lease_ms: int) -> bool:
+        return bool(await self._renew(keys=[SessionKeys(sid).lease], args=[fence, lease_ms]))
+
+    async def release(self, sid: str, fence: str) -> None:
+        await self._release(keys=[SessionKeys(sid).lease], args=[fence])
+
+    # ---- reads ---------------------------------------------------------------------------
+
+    async def history(self, sid: str, owner: str) -> list[Item]:
+        meta = await self.meta(sid, owner)
+        raw: Any = await self.redis.lrange(SessionKeys(sid).history, int(meta["hist_start"]), -1)
+        return [item_decoder.decode(r) for r in raw]
+
+    async def events(self, sid: str, after: str, count: int = 200) -> list[StoredEvent]:
+        """Events after stream id `after` ("0-0" = from the start)."""
+        raw: Any = await self.redis.xrange(
+            SessionKeys(sid).outbox, min=f"({after}" if after != "0-0" else "-", count=count
+        )
+        return [envelope(sid, eid, fields) for eid, fields in raw]
+
+    async def last_event_id(self, sid: str) -> str:
+        raw: Any = await self.redis.xrevrange(SessionKeys(sid).outbox, count=1)
+        return raw[0][0].decode() if raw else "0-0"
+
+
+class StoredEvent(NamedTuple):
+    id: str
+    type: str
+    raw: bytes  # the envelope as JSON, byte-identical on every delivery
+
+
+def envelope(sid: str, eid: bytes, fields: dict[bytes, bytes]) -> StoredEvent:
+    etype = fields[b"t"]
+    out = b'{"id":"' + eid + b'","seq":' + fields[b"s"] + b',"type":"' + etype + b'","session_id":'
+    return StoredEvent(eid.decode(), etype.decode(), out + _enc.encode(sid) + b"," + fields[b"b"])
+
+
+def decode_event(raw: bytes) -> Event:
+    return msgspec.json.decode(raw, type=Event)
+
+
+def decode_data(raw: bytes) -> dict[str, Any]:
+    return _data_dec.decode(raw)

@@ -1,0 +1,111 @@
+"""Wire and storage types of the harness: msgspec Structs, encoded once, stored encoded.
+
+Schema evolution: a persisted struct may gain fields (always with a default); a field's type
+never changes. Everything here is plain data; behaviour lives in the modules that use it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+Role = Literal["user", "assistant", "tool"]
+# "message": a user message or a model reply; "tool_result": a tool's answer;
+# "context": page context (never stored); "sticky": keyed page context (stored beside history).
+ItemKind = Literal["message", "tool_result", "context", "sticky"]
+SessionStatus = Literal["idle", "running", "waiting"]
+
+
+class ToolCall(msgspec.Struct, frozen=True, omit_defaults=True):
+    """A model's request to run one tool. `id` is assigned by the harness when the model gives none."""
+
+    name: str
+    arguments: dict[str, Any] = msgspec.field(default_factory=dict)
+    id: str | None = None
+
+
+class Usage(msgspec.Struct, frozen=True):
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cached_tokens: int = 0
+
+
+class Item(msgspec.Struct, frozen=True, omit_defaults=True):
+    """One entry of a conversation as the model sees it; durable history is a list of these."""
+
+    id: str
+    role: Role
+    text: str = ""
+    kind: ItemKind = "message"
+    turn_id: str = ""
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str | None = None
+    tool_name: str | None = None
+    is_error: bool = False
+    message_id: str | None = None
+    context_key: str | None = None
+
+
+# Page context as a channel hands it to the harness: a string, a list of strings (this turn
+# only), or a mapping (keyed, sticky; None removes the key).
+PageContext = str | list[str] | dict[str, str | None] | None
+
+
+class InboxMessage(msgspec.Struct, frozen=True, omit_defaults=True):
+    """A user message waiting for (or in) its turn. Lives in the session inbox, not in history."""
+
+    message_id: str
+    turn_id: str
+    text: str
+    received_id: str = ""  # outbox id of its message.received event (set by the submit script)
+    context: list[str] = []  # this turn only
+    sticky: dict[str, str | None] = {}  # keyed updates, applied when the turn begins
+
+
+class ErrorInfo(msgspec.Struct, frozen=True):
+    code: str
+    message: str
+
+
+class Event(msgspec.Struct, frozen=True):
+    """One event envelope as clients receive it (SSE `data:`, websocket frame)."""
+
+    id: str
+    seq: int
+    type: str
+    session_id: str
+    turn_id: str | None
+    at: float
+    data: dict[str, Any]
+
+
+class SessionInfo(msgspec.Struct, frozen=True):
+    session_id: str
+    status: SessionStatus
+    pending: list[dict[str, Any]]
+    queued: int
+    usage: dict[str, int]
+    metadata: dict[str, Any]
+    created_at: float
+
+
+class SubmitResult(msgspec.Struct, frozen=True):
+    session_id: str
+    message_id: str
+    turn_id: str
+    received_id: str
+    duplicate: bool
+
+
+class TurnResult(msgspec.Struct, frozen=True):
+    session_id: str
+    message_id: str
+    status: Literal["completed", "failed", "cancelled", "waiting", "pending"]
+    reply: str | None
+    events: list[dict[str, Any]]
+
+
+item_encoder = msgspec.json.Encoder()
+item_decoder = msgspec.json.Decoder(Item)
+inbox_decoder = msgspec.json.Decoder(InboxMessage)
