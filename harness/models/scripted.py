@@ -4,7 +4,6 @@ model port, shipped in the package so apps and tests use the same one."""
 from __future__ import annotations
 
 import inspect
-from collections import deque
 from collections.abc import Awaitable, Callable
 
 from harness.models.base import ModelReply, ModelRequest
@@ -36,10 +35,13 @@ class ScriptedModel:
 
     def __init__(self, fn: ScriptFn, *, keep: int | None = None) -> None:
         self._fn = fn
-        self.requests: deque[ModelRequest] = deque(maxlen=keep)
+        self._keep = keep
+        self.requests: list[ModelRequest] = []
 
     async def complete(self, request: ModelRequest) -> ModelReply:
         self.requests.append(request)
+        if self._keep is not None and len(self.requests) > self._keep:
+            del self.requests[: len(self.requests) - self._keep]
         reply = self._fn(request)
         if inspect.isawaitable(reply):
             reply = await reply

@@ -1,0 +1,152 @@
+"""The HTTP channel over a real server: a whole conversation, page context, bad input."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from redis.asyncio import Redis
+
+from harness import Agent, tool
+from harness.models import ModelReply, ModelRequest, ScriptedModel, ToolCall
+
+
+def echo_agent(model: ScriptedModel | None = None) -> Agent:
+    @tool
+    def shout(text: str) -> str:
+        """Upper-case a text."""
+        return text.upper()
+
+    def script(r: ModelRequest) -> ModelReply:
+        last = r.messages[-1]
+        if last.role == "user" and last.text.startswith("shout "):
+            return ModelReply(tool_calls=[ToolCall("shout", {"text": last.text[6:]})])
+        ctx = [m.text.split("\n", 1)[1] for m in r.messages if m.kind in ("context", "sticky")]
+        return ModelReply(text=f"{last.text} ctx={ctx}")
+
+    return Agent(instructions="echo", tools=[shout], model=model or ScriptedModel(script))
+
+
+async def test_a_whole_conversation(serve: Any) -> None:
+    live = await serve(echo_agent())
+    async with live.client() as c:
+        r = await c.post("/v1/sessions", json={"metadata": {"user": "u1"}})
+        assert r.status_code == 201
+        sid = r.json()["session_id"]
+        r = await c.post(f"/v1/sessions/{sid}/messages?wait=true", json={"text": "hi", "context": "CTX-1"})
+        assert r.status_code == 200
+        body = r.json()
+        assert body["status"] == "completed" and body["reply"] == "hi ctx=['CTX-1']"
+        assert body["session_id"] == sid and body["message_id"].startswith("msg_")
+        assert body["events"][0]["type"] == "message.received"
+        r = await c.post(f"/v1/sessions/{sid}/messages?wait=true", json={"text": "shout hey", "context": ["CTX-2"]})
+        assert r.json()["reply"] == "HEY ctx=['CTX-2']"
+        r = await c.post(f"/v1/sessions/{sid}/messages", json={"text": "third", "message_id": "client-3"})
+        assert r.status_code == 202 and r.json() == {"session_id": sid, "message_id": "client-3"}
+        r = await c.post(f"/v1/sessions/{sid}/messages?wait=true", json={"text": "third", "message_id": "client-3"})
+        assert r.json()["reply"] == "third ctx=[]"
+        info = (await c.get(f"/v1/sessions/{sid}")).json()
+        assert info["status"] == "idle" and info["pending"] == [] and info["metadata"] == {"user": "u1"}
+        assert info["usage"]["model_calls"] == 4 and info["usage"]["input_tokens"] > 0
+        items = (await c.get(f"/v1/sessions/{sid}/history")).json()["items"]
+        assert [(i["role"], i["text"]) for i in items] == [
+            ("user", "hi"),
+            ("assistant", "hi ctx=['CTX-1']"),
+            ("user", "shout hey"),
+            ("assistant", ""),
+            ("tool", "HEY"),
+            ("assistant", "HEY ctx=['CTX-2']"),
+            ("user", "third"),
+            ("assistant", "third ctx=[]"),
+        ]
+        assert all(set(i) >= {"id", "role", "text"} for i in items)
+        assert "CTX" not in str([i["text"] for i in items if i["role"] != "assistant"])
+
+
+async def test_health_and_readiness(serve: Any) -> None:
+    live = await serve(echo_agent())
+    async with live.client() as c:
+        assert (await c.get("/healthz")).json() == {"ok": True}
+        assert (await c.get("/readyz")).json() == {"ok": True}
+
+
+async def snapshot(redis: Redis) -> dict[bytes, Any]:
+    """Every key with a digest of its value, to prove a request changed nothing."""
+    out: dict[bytes, Any] = {}
+    for key in await redis.keys("*"):
+        out[key] = await redis.dump(key)
+    return out
+
+
+BAD_MESSAGES = [
+    (b"{not json", 400, "invalid_json"),
+    (b"", 400, "invalid_request"),
+    (b"[]", 400, "invalid_request"),
+    (b'{"text": 5}', 400, "invalid_request"),
+    (b'{"text": ""}', 400, "invalid_request"),
+    (b'{"text": "a", "extra": 1}', 400, "invalid_request"),
+    (b'{"text": "a", "context": 5}', 400, "invalid_request"),
+    (b'{"text": "a", "context": {"k": 5}}', 400, "invalid_request"),
+    (b'{"text": "a", "context": ["a", 1]}', 400, "invalid_request"),
+    (b'{"text": "a", "message_id": "has space"}', 400, "invalid_message_id"),
+    (b'{"text": "a", "message_id": ""}', 400, "invalid_message_id"),
+    (b'{"text": "a", "context": {"": "v"}}', 400, "invalid_request"),
+    (b'{"text": "a", "context": [' + b",".join([b'"x"'] * 33) + b"]}", 400, "invalid_request"),
+    (b'{"text": "' + b"x" * 5000 + b'"}', 413, "too_large"),
+]
+
+
+@pytest.mark.parametrize(("body", "status", "code"), BAD_MESSAGES)
+async def test_bad_messages_get_4xx_and_change_nothing(
+    serve: Any, redis: Redis, body: bytes, status: int, code: str
+) -> None:
+    live = await serve(echo_agent(), max_body=4096)
+    async with live.client() as c:
+        sid = (await c.post("/v1/sessions")).json()["session_id"]
+        before = await snapshot(redis)
+        r = await c.post(f"/v1/sessions/{sid}/messages", content=body)
+        assert r.status_code == status, r.text
+        assert r.json()["error"]["code"] == code and r.json()["error"]["message"]
+        assert await snapshot(redis) == before
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body", "status", "code"),
+    [
+        ("POST", "/v1/sessions/ses_00000000000000000000000000/messages", b'{"text":"a"}', 404, "session_not_found"),
+        ("POST", "/v1/sessions/..%2F..%2Fetc/messages", b'{"text":"a"}', 404, "not_found"),
+        ("POST", "/v1/sessions/ses_{}/messages", b'{"text":"a"}', 404, "session_not_found"),
+        ("POST", "/v1/sessions/{sid}/messages?wait=maybe", b'{"text":"a"}', 400, "invalid_query"),
+        ("POST", "/v1/sessions/{sid}/messages?wait=true&timeout=-1", b'{"text":"a"}', 400, "invalid_query"),
+        ("GET", "/v1/sessions/ses_00000000000000000000000000", b"", 404, "session_not_found"),
+        ("GET", "/v1/sessions/nope/history", b"", 404, "session_not_found"),
+        ("GET", "/v1/sessions/{sid}/events?after=abc", b"", 400, "invalid_event_id"),
+        ("POST", "/v1/sessions", b'{"metadata": []}', 400, "invalid_request"),
+        ("POST", "/v1/sessions", b'{"meta": {}}', 400, "invalid_request"),
+        ("DELETE", "/v1/sessions/{sid}", b"", 405, "method_not_allowed"),
+        ("GET", "/v1/nothing-here", b"", 404, "not_found"),
+    ],
+)
+async def test_bad_requests_get_4xx_and_change_nothing(
+    serve: Any, redis: Redis, method: str, path: str, body: bytes, status: int, code: str
+) -> None:
+    live = await serve(echo_agent())
+    async with live.client() as c:
+        sid = (await c.post("/v1/sessions")).json()["session_id"]
+        before = await snapshot(redis)
+        r = await c.request(method, path.replace("{sid}", sid), content=body)
+        assert r.status_code == status, r.text
+        assert r.json()["error"]["code"] == code
+        assert await snapshot(redis) == before
+
+
+async def test_a_message_id_sent_twice_over_http_is_one_turn(serve: Any) -> None:
+    model = ScriptedModel(lambda r: ModelReply(text="once"))
+    live = await serve(echo_agent(model))
+    async with live.client() as c:
+        sid = (await c.post("/v1/sessions")).json()["session_id"]
+        a = await c.post(f"/v1/sessions/{sid}/messages?wait=true", json={"text": "x", "message_id": "m1"})
+        b = await c.post(f"/v1/sessions/{sid}/messages?wait=true", json={"text": "x", "message_id": "m1"})
+        assert a.json() == b.json()
+        assert len(model.requests) == 1
+        assert len((await c.get(f"/v1/sessions/{sid}/history")).json()["items"]) == 2

