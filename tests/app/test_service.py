@@ -13,9 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import free_port
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.conftest import ROOT, free_port
 
 
 class Service:
