@@ -21,8 +21,8 @@ worker: install
 	$(BIN)/python -m app.worker
 
 lint: install
-	$(BIN)/ruff check app channels harness tests deploy
-	$(BIN)/ruff format --check app channels harness tests deploy
+	$(BIN)/ruff check
+	$(BIN)/ruff format --check
 
 typecheck: install
 	$(BIN)/mypy
