@@ -113,11 +113,13 @@ async def send_message(request: Request) -> Response:
             raise ChannelError(400, "invalid_query", "?timeout= must be positive")
     body = decode(send_message_decoder, await read_body(request))
     harness = harness_of(request)
+    if wait:
+        turn = await harness.submit_and_wait(
+            sid, owner_of(request), body.text, context=body.context, message_id=body.message_id, timeout=timeout
+        )
+        return json_response(turn, 200)
     result = await harness.submit(sid, owner_of(request), body.text, body.context, body.message_id)
-    if not wait:
-        return json_response({"session_id": sid, "message_id": result.message_id}, 202)
-    turn = await harness.wait_turn(result, timeout)
-    return json_response(turn, 200)
+    return json_response({"session_id": sid, "message_id": result.message_id}, 202)
 
 
 async def get_session(request: Request) -> Response:

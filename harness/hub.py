@@ -15,15 +15,16 @@ from typing import Any
 
 from redis.asyncio import Redis
 
+from harness.ids import stream_key
 from harness.keys import SessionKeys
 
 log = logging.getLogger("keel.hub")
 
 
 class Watch:
-    def __init__(self, after: str) -> None:
+    def __init__(self, after: str | None) -> None:
         self._flag = asyncio.Event()
-        self.seen = after  # the newest event id its reader has read
+        self.seen = after  # the newest event id its reader has read (None: not known yet)
 
     def wake(self) -> None:
         self._flag.set()
@@ -46,20 +47,30 @@ class EventHub:
         self._last: dict[str, str] = {}
         self._task: asyncio.Task[None] | None = None
 
-    def notify(self, sid: str) -> None:
-        for w in self._watches.get(sid, ()):
+    def notify(self, sid: str, event_id: str | None = None) -> None:
+        """Wake the session's watches: this process committed up to `event_id`. The poller
+        needs to look only past it (any earlier event, from elsewhere, is read by the woken
+        readers now)."""
+        watches = self._watches.get(sid)
+        if not watches:
+            return
+        for w in watches:
             w.wake()
+        last = self._last.get(sid)
+        if event_id is not None and last is not None and stream_key(event_id) > stream_key(last):
+            self._last[sid] = event_id
 
     @contextlib.asynccontextmanager
-    async def watch(self, sid: str, after: str) -> AsyncIterator[Watch]:
+    async def watch(self, sid: str, after: str | None) -> AsyncIterator[Watch]:
         """Wake-ups for events after `after`, the id the caller has read up to. The poller
         starts from the oldest such id, so an event committed elsewhere after the caller's
-        read can only wake it (perhaps needlessly), never be missed."""
+        read can only wake it (perhaps needlessly), never be missed. Commits in this process
+        wake every watch of the session. A watch opened with None learns its position later
+        (`follow`); until then only local commits wake it."""
         w = Watch(after)
         self._watches.setdefault(sid, set()).add(w)
-        last = self._last.get(sid)
-        if last is None or _key(after) < _key(last):
-            self._last[sid] = after
+        if after is not None:
+            self.follow(sid, w, after)
         try:
             yield w
         finally:
@@ -69,6 +80,12 @@ class EventHub:
                 if not ws:
                     del self._watches[sid]
                     self._last.pop(sid, None)
+
+    def follow(self, sid: str, w: Watch, after: str) -> None:
+        w.seen = after
+        last = self._last.get(sid)
+        if last is None or stream_key(after) < stream_key(last):
+            self._last[sid] = after
 
     def start(self) -> None:
         if self._redis is not None and self._task is None:
@@ -91,8 +108,9 @@ class EventHub:
                     await asyncio.sleep(self._block / 1000)
                     continue
                 for s in sids:  # readers that caught up need no wake-up for what they read
-                    slowest = min((w.seen for w in self._watches.get(s, ())), key=_key, default=None)
-                    if slowest is not None and s in self._last and _key(slowest) > _key(self._last[s]):
+                    seen = [w.seen for w in self._watches.get(s, ()) if w.seen is not None]
+                    slowest = min(seen, key=stream_key, default=None)
+                    if slowest is not None and s in self._last and stream_key(slowest) > stream_key(self._last[s]):
                         self._last[s] = slowest
                 streams: Any = {SessionKeys(s).outbox: self._last[s] for s in sids if s in self._last}
                 res: Any = await redis.xread(streams, count=1, block=self._block)
@@ -106,9 +124,3 @@ class EventHub:
             except Exception as exc:  # Redis away: keep serving local notifications, retry
                 log.warning("event poller: %s; retrying", exc)
                 await asyncio.sleep(1.0)
-
-
-def _key(eid: str) -> tuple[int, int]:
-    """Stream ids compare as (ms, seq) numbers, never as strings."""
-    ms, _, seq = eid.partition("-")
-    return int(ms), int(seq or 0)

@@ -21,3 +21,9 @@ def new_id(prefix: str) -> str:
     ms = time.time_ns() // 1_000_000
     rand = int.from_bytes(os.urandom(10), "big")
     return f"{prefix}_{_b32(ms, 10)}{_b32(rand, 16)}"
+
+
+def stream_key(eid: str) -> tuple[int, int]:
+    """A Redis stream id as (ms, seq), for comparing: stream ids never compare as strings."""
+    ms, _, seq = eid.partition("-")
+    return int(ms), int(seq or 0)

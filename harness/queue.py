@@ -9,6 +9,7 @@ import socket
 from typing import Any
 
 from redis.asyncio import Redis
+from redis.asyncio.client import Pipeline
 from redis.exceptions import ResponseError
 
 from harness.keys import JOBS, JOBS_GROUP
@@ -30,8 +31,10 @@ class JobQueue:
             if "BUSYGROUP" not in str(exc):
                 raise
 
-    async def enqueue(self, sid: str) -> None:
-        await self.redis.xadd(JOBS, {"s": sid})
+    @staticmethod
+    def enqueue_into(pipe: Pipeline, sid: str) -> None:
+        """Add the job for `sid` to a pipeline; its reply is the job id."""
+        pipe.xadd(JOBS, {"s": sid})
 
     async def take(self, count: int, block_ms: int) -> list[tuple[str, str]]:
         """New jobs for this consumer: (job id, session id)."""
@@ -46,8 +49,8 @@ class JobQueue:
         entries = claimed[1]
         return [(jid.decode(), fields[b"s"].decode()) for jid, fields in entries if fields]
 
-    async def done(self, job_id: str) -> None:
+    async def done(self, *job_ids: str) -> None:
         async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.xack(JOBS, JOBS_GROUP, job_id)
-            pipe.xdel(JOBS, job_id)
+            pipe.xack(JOBS, JOBS_GROUP, *job_ids)
+            pipe.xdel(JOBS, *job_ids)
             await pipe.execute()

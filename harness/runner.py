@@ -1,7 +1,10 @@
-"""Runners: take turn jobs from the stream, lease the session, run its queued turns in order.
+"""Runners: run each session's queued turns in order, one runner at a time per session (I4).
 
-One runner per process serves many sessions concurrently (bounded). A session is run by at most
-one runner at a time (the lease, I4); its messages run one turn at a time, in inbox order.
+Work reaches a runner two ways. A process that accepts a message and runs turns itself starts
+the session at once (`kick`). Every message also puts a job on the Redis stream, so that work
+survives the process: any runner reading the stream (or reclaiming a dead runner's jobs) drains
+the session's inbox. A job is acknowledged once a drain that began after the job was added has
+finished: that drain saw the job's message, so the job needs no drain of its own.
 """
 
 from __future__ import annotations
@@ -13,11 +16,15 @@ from collections.abc import Callable
 
 from harness.agent import Agent
 from harness.errors import StaleLease
+from harness.ids import stream_key
 from harness.queue import JobQueue
 from harness.store import Begun, Busy, Store
 from harness.turn import TurnRunner
 
 log = logging.getLogger("keel.runner")
+COVERED_MAX = 50_000  # sessions remembered as covered; past that the memo restarts (costs a BEGIN)
+ACK_BATCH = 256  # acknowledge at once when this many jobs wait ...
+ACK_DELAY_S = 0.05  # ... else after this long, together
 
 
 class Runner:
@@ -26,7 +33,7 @@ class Runner:
         store: Store,
         queue: JobQueue,
         agent: Agent,
-        publish: Callable[[str], None],
+        publish: Callable[[str, str], None],
         *,
         concurrency: int = 64,
         lease_ms: int = 5_000,
@@ -38,10 +45,16 @@ class Runner:
         self.publish = publish
         self.lease_ms = lease_ms
         self.block_ms = block_ms
-        self._slots = asyncio.Semaphore(concurrency)
         self._concurrency = concurrency
-        self._active: set[str] = set()  # sessions this process is running now
-        self._again: set[str] = set()  # ... and that got another job meanwhile
+        self._slots = asyncio.Semaphore(concurrency)
+        self._active: set[str] = set()  # sessions this process is draining now
+        self._again: set[str] = set()  # ... that got more work meanwhile: drain once more
+        self._kicked: dict[str, str] = {}  # session -> newest job handed over locally, not yet drained
+        self._covered: dict[str, str] = {}  # session -> newest job a finished drain has seen
+        self._marks: dict[str, str] = {}  # session -> newest job the running drain began after
+        self._jobs: dict[str, list[str]] = {}  # session -> jobs to acknowledge when its drain ends
+        self._acks: list[str] = []
+        self._acking: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._main: asyncio.Task[None] | None = None
 
@@ -49,14 +62,29 @@ class Runner:
         self._main = asyncio.create_task(self._loop(), name="keel-runner")
 
     async def stop(self) -> None:
-        """Stop taking jobs and cancel running turns. Their leases expire; their jobs stay
-        pending and another runner (or this process restarted) takes them up."""
+        """Stop taking jobs and cancel running turns. Their leases expire; unacknowledged jobs
+        stay pending, and another runner (or this process restarted) takes them up."""
         tasks = [t for t in (self._main, *self._tasks) if t is not None]
         for t in tasks:
             t.cancel()
         for t in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
+        if self._acking is not None:
+            with contextlib.suppress(Exception):
+                await self._acking
+
+    def kick(self, sid: str, job_id: str) -> None:
+        """Run the session now: this process accepted a message for it (job `job_id`)."""
+        mark = self._marks.get(sid)
+        if mark is not None and stream_key(job_id) <= stream_key(mark):
+            return  # the running drain began after this job was added (it came off the stream first)
+        prev = self._kicked.get(sid)
+        if prev is None or stream_key(job_id) > stream_key(prev):
+            self._kicked[sid] = job_id
+        self._run(sid)
+
+    # ---- jobs from the stream ----------------------------------------------------------
 
     async def _loop(self) -> None:
         await self.queue.ensure_group()
@@ -65,55 +93,109 @@ class Runner:
         loop = asyncio.get_running_loop()
         while True:
             try:
+                while len(self._tasks) >= 4 * self._concurrency:  # backpressure: stop reading jobs
+                    await asyncio.wait(set(self._tasks), return_when=asyncio.FIRST_COMPLETED)
                 if loop.time() >= next_reclaim:
                     next_reclaim = loop.time() + reclaim_every
                     for job in await self.queue.reclaim(min_idle_ms=2 * self.lease_ms):
-                        await self._spawn(*job)
-                free = max(self._concurrency - len(self._tasks), 1)
-                for job in await self.queue.take(count=min(free, 64), block_ms=self.block_ms):
-                    await self._spawn(*job)
+                        self._job(*job)
+                for job in await self.queue.take(count=64, block_ms=self.block_ms):
+                    self._job(*job)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 log.warning("runner: %s; retrying in 1s", exc)
                 await asyncio.sleep(1.0)
 
-    async def _spawn(self, job_id: str, sid: str) -> None:
-        await self._slots.acquire()
-        task = asyncio.create_task(self._handle(job_id, sid), name=f"keel-job-{sid}")
+    def _job(self, job_id: str, sid: str) -> None:
+        covered = self._covered.get(sid)
+        if covered is not None and stream_key(job_id) <= stream_key(covered):
+            self._ack(job_id)
+            return
+        self._run(sid, job_id)
+
+    def _ack(self, job_id: str) -> None:
+        """Acknowledge soon, together with others. Lost in a crash, the job is reclaimed, finds
+        nothing to do, and is acknowledged then."""
+        self._acks.append(job_id)
+        if self._acking is None:
+            self._acking = asyncio.create_task(self._flush_acks())
+
+    async def _flush_acks(self) -> None:
+        try:
+            if len(self._acks) < ACK_BATCH:
+                await asyncio.sleep(ACK_DELAY_S)
+            while self._acks:
+                batch, self._acks = self._acks, []
+                await self.queue.done(*batch)
+        except Exception as exc:
+            log.warning("runner: acknowledging jobs failed (%s); they will be reclaimed", exc)
+        finally:
+            self._acking = None
+
+    # ---- sessions ----------------------------------------------------------------------
+
+    def _run(self, sid: str, job_id: str | None = None) -> None:
+        if sid in self._active:
+            if job_id is None:
+                self._again.add(sid)  # a message after the drain began: go round once more
+                return
+            self._jobs[sid].append(job_id)
+            mark = self._marks.get(sid)
+            if mark is None or stream_key(job_id) > stream_key(mark):
+                self._again.add(sid)
+            return
+        self._active.add(sid)
+        self._jobs[sid] = [] if job_id is None else [job_id]
+        task = asyncio.create_task(self._session(sid), name=f"keel-session-{sid}")
         self._tasks.add(task)
         task.add_done_callback(self._done)
 
     def _done(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
-        self._slots.release()
         if not task.cancelled() and task.exception() is not None:
-            log.error("runner job failed", exc_info=task.exception())
+            log.error("runner failed", exc_info=task.exception())
 
-    async def _handle(self, job_id: str, sid: str) -> None:
-        """Drain the session's inbox, then acknowledge the job."""
-        if sid in self._active:
-            # This process is running the session now: that task drains again before it ends.
-            self._again.add(sid)
-            await self.queue.done(job_id)
-            return
-        self._active.add(sid)
+    async def _session(self, sid: str) -> None:
+        """Drain the session until no new work arrived meanwhile; then acknowledge its jobs,
+        unless the lease went to another runner (which then owns the work, and the jobs stay)."""
+        drained = False
         try:
-            while True:
-                self._again.discard(sid)
-                await self._drain(sid)
-                if sid not in self._again:
-                    break
+            async with self._slots:
+                while True:
+                    self._again.discard(sid)
+                    mark = _newest(self._kicked.pop(sid, None), *self._jobs[sid])
+                    if mark is not None:
+                        self._marks[sid] = mark  # jobs up to here are seen by this drain
+                    if not await self._drain(sid):
+                        return
+                    if mark is not None:
+                        self._cover(sid, mark)
+                    if sid not in self._again:
+                        break
+            drained = True
         finally:
             self._active.discard(sid)
-        await self.queue.done(job_id)
+            self._marks.pop(sid, None)
+            jobs = self._jobs.pop(sid, [])
+            if drained:
+                for job in jobs:
+                    self._ack(job)
 
-    async def _drain(self, sid: str) -> None:
+    def _cover(self, sid: str, job_id: str) -> None:
+        if len(self._covered) >= COVERED_MAX:
+            self._covered.clear()
+        prev = self._covered.get(sid)
+        if prev is None or stream_key(job_id) > stream_key(prev):
+            self._covered[sid] = job_id
+
+    async def _drain(self, sid: str) -> bool:
+        """Run turns until the inbox is empty. False if the lease was lost to another runner."""
         fence = ""
         while True:
             begun = await self.store.begin(sid, fence, self.lease_ms)
             if begun is None:
-                return
+                return True
             if isinstance(begun, Busy):
                 # Another runner holds the session. If it is alive it drains the inbox; if it
                 # died, its lease expires within lease_ms and we take over.
@@ -123,23 +205,45 @@ class Runner:
             try:
                 more = await self._run_turn(sid, begun)
             except StaleLease:
-                return
+                return False
             if not more:
-                return
+                return True
 
     async def _run_turn(self, sid: str, begun: Begun) -> bool:
-        renewer = asyncio.create_task(self._renew(sid, begun.fence))
+        renewal = Renewal(self.store, sid, begun.fence, self.lease_ms)
         try:
             final = await TurnRunner(self.store, self.agent, sid, begun, self.publish).run()
         finally:
-            renewer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await renewer
+            renewal.cancel()
         return final.more
 
-    async def _renew(self, sid: str, fence: str) -> None:
-        while True:
-            await asyncio.sleep(self.lease_ms / 3000)
-            if not await self.store.renew(sid, fence, self.lease_ms):
-                log.warning("session %s: lease %s lost", sid, fence)
-                return
+
+class Renewal:
+    """Extends a turn's lease every third of its TTL, from a timer: a turn shorter than that
+    (most of them) costs no task and no Redis call."""
+
+    def __init__(self, store: Store, sid: str, fence: str, lease_ms: int) -> None:
+        self.store, self.sid, self.fence, self.lease_ms = store, sid, fence, lease_ms
+        self._loop = asyncio.get_running_loop()
+        self._task: asyncio.Task[None] | None = None
+        self._timer: asyncio.TimerHandle | None = self._loop.call_later(lease_ms / 3000, self._fire)
+
+    def _fire(self) -> None:
+        self._task = self._loop.create_task(self._renew())
+
+    async def _renew(self) -> None:
+        if await self.store.renew(self.sid, self.fence, self.lease_ms):
+            self._timer = self._loop.call_later(self.lease_ms / 3000, self._fire)
+        else:
+            log.warning("session %s: lease %s lost", self.sid, self.fence)
+
+    def cancel(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        if self._task is not None:
+            self._task.cancel()
+
+
+def _newest(*job_ids: str | None) -> str | None:
+    ids = [j for j in job_ids if j is not None]
+    return max(ids, key=stream_key) if ids else None

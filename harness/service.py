@@ -13,7 +13,7 @@ from redis.asyncio import Redis
 from harness.agent import Agent
 from harness.context import split_context
 from harness.errors import InvalidInput, NotFound
-from harness.hub import EventHub
+from harness.hub import EventHub, Watch
 from harness.ids import new_id
 from harness.queue import JobQueue
 from harness.runner import Runner
@@ -94,11 +94,14 @@ class Harness:
         message = InboxMessage(
             message_id=message_id, turn_id=new_id("turn"), text=text, context=turn_only, sticky=sticky
         )
-        duplicate, turn_id, received_id = await self.store.submit(sid, owner, message)
-        # Enqueue even for a duplicate: if the first attempt died between recording the
-        # message and enqueueing its job, the client's retry is what repairs it.
-        await self.queue.enqueue(sid)
-        self.hub.notify(sid)
+        # The job goes in the same round trip, even for a duplicate: had the first attempt died
+        # between recording the message and enqueueing its job, the client's retry repairs it.
+        duplicate, turn_id, received_id, (job_id,) = await self.store.submit(
+            sid, owner, message, also=lambda pipe: JobQueue.enqueue_into(pipe, sid)
+        )
+        self.hub.notify(sid, received_id)
+        if self.runner is not None:
+            self.runner.kick(sid, job_id.decode())
         return SubmitResult(
             session_id=sid, message_id=message_id, turn_id=turn_id, received_id=received_id, duplicate=duplicate
         )
@@ -138,39 +141,62 @@ class Harness:
         """Events after `after`, then live ones, forever. Yields None after `heartbeat` seconds
         without an event (for keep-alives). The caller checks ownership first."""
         async with self.hub.watch(sid, after) as watch:
-            while True:
-                batch = await self.store.events(sid, after)
-                if batch:
-                    for event in batch:
-                        yield event
-                    after = watch.seen = batch[-1].id
-                    continue
-                if not await watch.wait(heartbeat):
-                    yield None
+            async for event in self._follow(sid, watch, after, heartbeat, read_first=True):
+                yield event
+
+    async def _follow(
+        self, sid: str, watch: Watch, after: str, heartbeat: float, *, read_first: bool
+    ) -> AsyncIterator[StoredEvent | None]:
+        if not read_first and not await watch.wait(heartbeat):
+            yield None
+        while True:
+            batch = await self.store.events(sid, after)
+            if batch:
+                for event in batch:
+                    yield event
+                after = watch.seen = batch[-1].id
+                continue
+            if not await watch.wait(heartbeat):
+                yield None
 
     async def wait_turn(self, result: SubmitResult, timeout: float) -> TurnResult:
         """Wait until the message's turn settles; returns its events (from message.received on)."""
-        sid, turn_id = result.session_id, result.turn_id
-        events: list[dict[str, Any]] = []
         after = _before(result.received_id)
-        marker = b'"turn_id":"' + turn_id.encode() + b'"'
+        async with self.hub.watch(result.session_id, after) as watch:
+            return await self._collect(result, watch, after, timeout, read_first=True)
+
+    async def submit_and_wait(
+        self, sid: str, owner: str, text: str, *, context: PageContext, message_id: str | None, timeout: float
+    ) -> TurnResult:
+        """`submit`, then `wait_turn`, with the wake-up armed before the message exists: a new
+        message's events are then read once, when its turn has moved on."""
+        check_session_id(sid)
+        async with self.hub.watch(sid, None) as watch:
+            result = await self.submit(sid, owner, text, context, message_id)
+            after = _before(result.received_id)
+            self.hub.follow(sid, watch, after)
+            return await self._collect(result, watch, after, timeout, read_first=result.duplicate)
+
+    async def _collect(
+        self, result: SubmitResult, watch: Watch, after: str, timeout: float, *, read_first: bool
+    ) -> TurnResult:
+        sid = result.session_id
+        events: list[dict[str, Any]] = []
+        marker = b'"turn_id":"' + result.turn_id.encode() + b'"'
 
         async def collect() -> TurnResult:
-            async for entry in self.tail(sid, after, heartbeat=min(timeout, 5.0)):
-                if entry is None:
-                    continue
-                if marker not in entry.raw:
+            async for entry in self._follow(sid, watch, after, min(timeout, 5.0), read_first=read_first):
+                if entry is None or marker not in entry.raw:
                     continue
                 event = decode_data(entry.raw)
                 events.append(event)
                 status = TERMINAL.get(entry.type)
                 if status is not None:
-                    reply = event["data"].get("reply")
                     return TurnResult(
                         session_id=sid,
                         message_id=result.message_id,
                         status=status,  # type: ignore[arg-type]
-                        reply=reply,
+                        reply=event["data"].get("reply"),
                         events=events,
                     )
             raise AssertionError("unreachable")

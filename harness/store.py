@@ -7,11 +7,13 @@ the session lease's fencing token. Reads are plain commands.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import msgspec
 from redis.asyncio import Redis
+from redis.asyncio.client import Pipeline
+from redis.exceptions import NoScriptError
 
 from harness import lua
 from harness.errors import Conflict, NotFound, StaleLease
@@ -19,6 +21,7 @@ from harness.keys import SessionKeys
 from harness.types import Event, InboxMessage, Item, inbox_decoder, item_decoder
 
 _enc = msgspec.json.Encoder()
+KNOWN_MAX = 100_000
 _data_dec = msgspec.json.Decoder(dict[str, Any])
 
 
@@ -58,6 +61,7 @@ class Store:
         self._commit = redis.register_script(lua.COMMIT)
         self._renew = redis.register_script(lua.RENEW)
         self._release = redis.register_script(lua.RELEASE)
+        self._known: dict[str, str] = {}  # session id -> owner, seen to exist
 
     # ---- session lifecycle -------------------------------------------------------------
 
@@ -69,6 +73,7 @@ class Store:
         )
         if res[0] == b"exists":
             raise Conflict(f"session {sid} exists", code="session_exists")
+        self._remember(sid, owner)
 
     async def meta(self, sid: str, owner: str) -> dict[str, str]:
         raw: Any = await self.redis.hgetall(SessionKeys(sid).meta)
@@ -80,22 +85,58 @@ class Store:
     async def queued(self, sid: str) -> int:
         return int(await self.redis.llen(SessionKeys(sid).inbox))
 
-    async def submit(self, sid: str, owner: str, message: InboxMessage) -> tuple[bool, str, str]:
-        """Record a message and its message.received event. Returns (duplicate, turn_id,
-        received event id); a repeated message_id returns the first one's ids."""
+    async def submit(
+        self, sid: str, owner: str, message: InboxMessage, *, also: Callable[[Pipeline], None]
+    ) -> tuple[bool, str, str, list[Any]]:
+        """Record a message and its message.received event, then run what `also` adds to a
+        pipeline (the job). Returns (duplicate, turn_id, received event id, replies of `also`);
+        a repeated message_id returns the first one's ids. For a session this process knows,
+        both go in one round trip; otherwise `also` runs only once the session proved to exist,
+        so a request for an unknown session writes nothing."""
         k = SessionKeys(sid)
         body = event_body(message.turn_id, {"message_id": message.message_id, "text": message.text})
-        res = await self._submit(
-            keys=[k.meta, k.inbox, k.mids, k.outbox],
-            args=[owner, message.message_id, message.turn_id, _enc.encode(message)[1:], self.retention, body],
-        )
-        tag = res[0]
-        if tag == b"missing":
+        args: list[str | bytes | int] = [
+            owner,
+            message.message_id,
+            message.turn_id,
+            _enc.encode(message)[1:],
+            self.retention,
+            body,
+        ]
+        known = self._known.get(sid) == owner
+        for attempt in range(2):
+            # EVALSHA by hand: redis-py runs SCRIPT EXISTS before any pipeline holding a Script.
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.evalsha(self._submit.sha, 4, k.meta, k.inbox, k.mids, k.outbox, *args)
+                if known:
+                    also(pipe)
+                replies: list[Any] = await pipe.execute(raise_on_error=False)
+            if isinstance(replies[0], NoScriptError) and attempt == 0:
+                await self.redis.script_load(lua.SUBMIT)  # (a job added meanwhile is harmless)
+                continue
+            break
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+        res = replies[0]
+        if res[0] == b"missing":
             raise NotFound(f"no session {sid}", code="session_not_found")
-        if tag == b"dup":
+        self._remember(sid, owner)
+        extra = replies[1:]
+        if not known:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                also(pipe)
+                extra = await pipe.execute()
+        if res[0] == b"dup":
             turn_id, received_id = res[1].decode().split(" ", 1)
-            return True, turn_id, received_id
-        return False, message.turn_id, res[1].decode()
+            return True, turn_id, received_id, extra
+        return False, message.turn_id, res[1].decode(), extra
+
+    def _remember(self, sid: str, owner: str) -> None:
+        """Sessions are never deleted, so one seen to exist stays known (a bounded memo)."""
+        if len(self._known) >= KNOWN_MAX:
+            self._known.clear()
+        self._known[sid] = owner
 
     # ---- turns ---------------------------------------------------------------------------
 

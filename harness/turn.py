@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,7 +45,9 @@ StepOutcome = Final | RunTools
 class TurnRunner:
     """Runs the turn a runner has begun. Holds nothing between turns."""
 
-    def __init__(self, store: Store, agent: Agent, sid: str, begun: Begun, publish: Any) -> None:
+    def __init__(
+        self, store: Store, agent: Agent, sid: str, begun: Begun, publish: Callable[[str, str], None]
+    ) -> None:
         self.store = store
         self.agent = agent
         self.sid = sid
@@ -202,7 +205,8 @@ class TurnRunner:
         except StaleLease:
             log.warning("session %s turn %s: lease lost, stopping", self.sid, self.turn_id)
             raise
-        self._publish(self.sid)
+        if committed.event_ids:
+            self._publish(self.sid, committed.event_ids[-1])
         return committed
 
     def _event(self, etype: str, data: dict[str, Any]) -> tuple[str, bytes]:
