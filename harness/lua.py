@@ -48,8 +48,10 @@ return {'new', id}
 
 # Takes the session for one turn: lease with a new fencing token, keyed context applied,
 # turn.started emitted once per turn, and everything the turn needs to run, in one trip.
+# History comes back from `have_start + have_len` on when the caller's cached copy starts at
+# the same index and is not longer than the list; else all of the active history.
 # KEYS: meta, inbox, lease, history, sticky, outbox.
-# ARGV: current_fence (this runner's token, or ''), lease_ttl_ms, now, retention
+# ARGV: current_fence (this runner's token, or ''), lease_ttl_ms, now, retention, have_start, have_len
 BEGIN = (
     _EMIT
     + """
@@ -73,8 +75,11 @@ if redis.call('HGET', KEYS[1], 'turn') ~= m.turn_id then
 end
 local start = tonumber(redis.call('HGET', KEYS[1], 'hist_start'))
 local turn_start = tonumber(redis.call('HGET', KEYS[1], 'turn_start'))
+local from = start
+local have = tonumber(ARGV[6])
+if tonumber(ARGV[5]) == start and start + have <= redis.call('LLEN', KEYS[4]) then from = start + have end
 return {'ok', fence, head, turn_start - start, redis.call('HGETALL', KEYS[5]),
-  redis.call('LRANGE', KEYS[4], start, -1)}
+  redis.call('LRANGE', KEYS[4], from, -1), start, from - start}
 """
 )
 
@@ -91,7 +96,8 @@ if redis.call('GET', KEYS[2]) ~= ARGV[1] or redis.call('HGET', KEYS[1], 'turn') 
   return {'stale'}
 end
 local n = tonumber(ARGV[9])
-if n > 0 then redis.call('RPUSH', KEYS[3], unpack(ARGV, 10, 9 + n)) end
+local length = redis.call('LLEN', KEYS[3])
+if n > 0 then length = redis.call('RPUSH', KEYS[3], unpack(ARGV, 10, 9 + n)) end
 if ARGV[8] ~= '0' then
   redis.call('HINCRBY', KEYS[1], 'u_in', ARGV[5])
   redis.call('HINCRBY', KEYS[1], 'u_out', ARGV[6])
@@ -106,10 +112,10 @@ if ARGV[4] == '1' then
   redis.call('LPOP', KEYS[5])
   local left = redis.call('LLEN', KEYS[5])
   redis.call('HSET', KEYS[1], 'turn', '', 'status', left > 0 and 'running' or 'idle')
-  if left == 0 then redis.call('DEL', KEYS[2]); return {'done', ids} end
-  return {'more', ids}
+  if left == 0 then redis.call('DEL', KEYS[2]); return {'done', ids, length} end
+  return {'more', ids, length}
 end
-return {'ok', ids}
+return {'ok', ids, length}
 """
 )
 

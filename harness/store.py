@@ -16,6 +16,7 @@ from redis.asyncio.client import Pipeline
 from redis.exceptions import NoScriptError
 
 from harness import lua
+from harness.cache import HistoryCache
 from harness.errors import Conflict, NotFound, StaleLease
 from harness.keys import SessionKeys
 from harness.types import Event, InboxMessage, Item, inbox_decoder, item_decoder
@@ -52,7 +53,7 @@ class Committed(msgspec.Struct, frozen=True):
 
 
 class Store:
-    def __init__(self, redis: Redis, *, retention: int = 10_000) -> None:
+    def __init__(self, redis: Redis, *, retention: int = 10_000, cache_sessions: int = 1024) -> None:
         self.redis = redis
         self.retention = retention
         self._create = redis.register_script(lua.CREATE)
@@ -62,6 +63,7 @@ class Store:
         self._renew = redis.register_script(lua.RENEW)
         self._release = redis.register_script(lua.RELEASE)
         self._known: dict[str, str] = {}  # session id -> owner, seen to exist
+        self._cache = HistoryCache(cache_sessions)
 
     # ---- session lifecycle -------------------------------------------------------------
 
@@ -143,9 +145,11 @@ class Store:
     async def begin(self, sid: str, fence: str, lease_ms: int) -> Begun | Busy | None:
         """Take the session for its next turn. None: nothing to do (or no session)."""
         k = SessionKeys(sid)
+        cached = self._cache.get(sid)
+        have_start, have = (cached[0], cached[1]) if cached is not None else (-1, [])
         res = await self._begin(
             keys=[k.meta, k.inbox, k.lease, k.history, k.sticky, k.outbox],
-            args=[fence, lease_ms, repr(time.time()), self.retention],
+            args=[fence, lease_ms, repr(time.time()), self.retention, have_start, len(have)],
         )
         tag = res[0]
         if tag == b"busy":
@@ -156,7 +160,10 @@ class Store:
         n_before = int(res[3])
         flat = res[4]
         sticky = {flat[i].decode(): flat[i + 1].decode() for i in range(0, len(flat), 2)}
-        items = [item_decoder.decode(raw) for raw in res[5]]
+        start, reused = int(res[6]), int(res[7])
+        items = have if reused == len(have) else have[:reused]
+        items.extend(item_decoder.decode(raw) for raw in res[5])
+        self._cache.put(sid, start, items)
         return Begun(
             fence=str(res[1]), message=message, history=items[:n_before], turn_items=items[n_before:], sticky=sticky
         )
@@ -181,6 +188,7 @@ class Store:
         res = await self._commit(keys=[k.meta, k.lease, k.history, k.outbox, k.inbox], args=args)
         if res[0] == b"stale":
             raise StaleLease(f"session {sid}: lease {fence} is no longer held")
+        self._cache.extend(sid, list(items), int(res[2]))
         return Committed(event_ids=[i.decode() for i in res[1]], more=res[0] == b"more")
 
     async def renew(self, sid: str, fence: str, lease_ms: int) -> bool:

@@ -45,9 +45,7 @@ StepOutcome = Final | RunTools
 class TurnRunner:
     """Runs the turn a runner has begun. Holds nothing between turns."""
 
-    def __init__(
-        self, store: Store, agent: Agent, sid: str, begun: Begun, publish: Callable[[str, str], None]
-    ) -> None:
+    def __init__(self, store: Store, agent: Agent, sid: str, begun: Begun, publish: Callable[[str, str], None]) -> None:
         self.store = store
         self.agent = agent
         self.sid = sid
