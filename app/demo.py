@@ -33,8 +33,9 @@ def _reply(request: ModelRequest) -> ModelReply:
         return ModelReply(tool_calls=[ToolCall("add", {"a": int(m[1]), "b": int(m[2])})])
     if "time" in text.lower():
         return ModelReply(tool_calls=[ToolCall("utc_time", {})])
-    context = [i.text.split("\n", 1)[-1] for i in request.messages if i.kind in ("context", "sticky")]
-    seen = f" I can see this page context: {'; '.join(context)}." if context else ""
+    # Name what it sees, not its content: a reply is durable history; page context is not (I1).
+    keys = [i.context_key or "(this turn)" for i in request.messages if i.kind in ("context", "sticky")]
+    seen = f" I can see {len(keys)} page context entries: {', '.join(keys)}." if keys else ""
     return ModelReply(text=f"You said: {text!r}.{seen} (Try 'what time is it' or 'add 2 and 3'.)")
 
 

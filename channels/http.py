@@ -64,6 +64,8 @@ def decode(decoder: msgspec.json.Decoder[Any], body: bytes, *, empty_ok: bool = 
         raise ChannelError(400, "invalid_request", str(exc)) from exc
     except msgspec.DecodeError as exc:
         raise ChannelError(400, "invalid_json", f"the body is not valid JSON: {exc}") from exc
+    except RecursionError:
+        raise ChannelError(400, "invalid_json", "the body is nested too deeply") from None
 
 
 def flag(request: Request, name: str) -> bool:

@@ -12,6 +12,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from channels.http import harness_of, owner_of
+from harness.ids import stream_key
 from harness.service import check_event_id
 
 HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -19,8 +20,9 @@ HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 async def stream_events(request: Request) -> Response:
     sid = request.path_params["sid"]
-    after = request.query_params.get("after") or request.headers.get("last-event-id") or "0-0"
-    check_event_id(after)
+    # EventSource reconnects to the same URL with Last-Event-ID: resume from the newer of the two.
+    given = [check_event_id(x) for x in (request.query_params.get("after"), request.headers.get("last-event-id")) if x]
+    after = max(given, key=stream_key, default="0-0")
     harness = harness_of(request)
     await harness.check_owner(sid, owner_of(request))
     heartbeat: float = request.app.state.sse_heartbeat

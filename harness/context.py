@@ -24,12 +24,18 @@ def split_context(context: PageContext) -> tuple[list[str], dict[str, str | None
     if isinstance(context, list):
         if len(context) > MAX_ENTRIES:
             raise InvalidInput(f"context has {len(context)} entries; at most {MAX_ENTRIES} are allowed")
+        if not all(isinstance(entry, str) for entry in context):
+            raise InvalidInput("context entries must be strings")
         return list(context), {}
+    if not isinstance(context, dict):
+        raise InvalidInput("context must be a string, a list of strings or an object")
     if len(context) > MAX_ENTRIES:
         raise InvalidInput(f"context has {len(context)} keys; at most {MAX_ENTRIES} are allowed")
-    for key in context:
-        if not key or len(key) > MAX_KEY_LEN:
+    for key, value in context.items():
+        if not isinstance(key, str) or not key or len(key) > MAX_KEY_LEN:
             raise InvalidInput(f"context keys must be 1 to {MAX_KEY_LEN} characters")
+        if value is not None and not isinstance(value, str):
+            raise InvalidInput("context values must be strings, or null to remove a key")
     return [], dict(context)
 
 

@@ -40,12 +40,13 @@ class Watch:
 
 
 class EventHub:
-    def __init__(self, redis: Redis | None = None, *, poll_block_ms: int = 200) -> None:
+    def __init__(self, redis: Redis | None = None, *, poll_block_ms: int = 100) -> None:
         self._redis = redis
         self._block = poll_block_ms
         self._watches: dict[str, set[Watch]] = {}
         self._last: dict[str, str] = {}
         self._task: asyncio.Task[None] | None = None
+        self._followed = asyncio.Event()  # set when a session gets a position to poll from
 
     def notify(self, sid: str, event_id: str | None = None) -> None:
         """Wake the session's watches: this process committed up to `event_id`. The poller
@@ -82,6 +83,7 @@ class EventHub:
                     self._last.pop(sid, None)
 
     def follow(self, sid: str, w: Watch, after: str) -> None:
+        self._followed.set()
         w.seen = after
         last = self._last.get(sid)
         if last is None or stream_key(after) < stream_key(last):
@@ -103,9 +105,10 @@ class EventHub:
         redis = self._redis
         while True:
             try:
-                sids = list(self._watches)
+                sids = [s for s in self._watches if s in self._last]
                 if not sids:
-                    await asyncio.sleep(self._block / 1000)
+                    self._followed.clear()
+                    await self._followed.wait()
                     continue
                 for s in sids:  # readers that caught up need no wake-up for what they read
                     seen = [w.seen for w in self._watches.get(s, ()) if w.seen is not None]

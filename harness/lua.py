@@ -66,7 +66,8 @@ local m = cjson.decode(head)
 if redis.call('HGET', KEYS[1], 'turn') ~= m.turn_id then
   if type(m.sticky) == 'table' then
     for k, v in pairs(m.sticky) do
-      if v == cjson.null then redis.call('HDEL', KEYS[5], k) else redis.call('HSET', KEYS[5], k, v) end
+      if v == cjson.null then redis.call('HDEL', KEYS[5], k)
+      elseif type(v) == 'string' then redis.call('HSET', KEYS[5], k, v) end
     end
   end
   redis.call('HSET', KEYS[1], 'turn', m.turn_id, 'turn_start', redis.call('LLEN', KEYS[4]), 'status', 'running')

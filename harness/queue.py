@@ -23,6 +23,7 @@ class JobQueue:
     def __init__(self, redis: Redis, *, consumer: str | None = None) -> None:
         self.redis = redis
         self.consumer = consumer or consumer_name()
+        self._claim_from = "0-0"
 
     async def ensure_group(self) -> None:
         try:
@@ -44,8 +45,9 @@ class JobQueue:
     async def reclaim(self, min_idle_ms: int, count: int = 100) -> list[tuple[str, str]]:
         """Jobs another consumer took and has not finished for `min_idle_ms` (it may be dead)."""
         claimed: Any = await self.redis.xautoclaim(
-            JOBS, JOBS_GROUP, self.consumer, min_idle_ms, start_id="0-0", count=count
+            JOBS, JOBS_GROUP, self.consumer, min_idle_ms, start_id=self._claim_from, count=count
         )
+        self._claim_from = claimed[0].decode()  # next call goes on from here ("0-0": round again)
         entries = claimed[1]
         return [(jid.decode(), fields[b"s"].decode()) for jid, fields in entries if fields]
 

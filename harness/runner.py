@@ -232,7 +232,13 @@ class Renewal:
         self._task = self._loop.create_task(self._renew())
 
     async def _renew(self) -> None:
-        if await self.store.renew(self.sid, self.fence, self.lease_ms):
+        try:
+            held = await self.store.renew(self.sid, self.fence, self.lease_ms)
+        except Exception as exc:  # Redis unreachable for a moment: try again soon, the TTL allows it
+            log.warning("session %s: renewing lease %s failed: %s", self.sid, self.fence, exc)
+            self._timer = self._loop.call_later(self.lease_ms / 10000, self._fire)
+            return
+        if held:
             self._timer = self._loop.call_later(self.lease_ms / 3000, self._fire)
         else:
             log.warning("session %s: lease %s lost", self.sid, self.fence)

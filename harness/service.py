@@ -14,7 +14,7 @@ from harness.agent import Agent
 from harness.context import split_context
 from harness.errors import InvalidInput, NotFound
 from harness.hub import EventHub, Watch
-from harness.ids import new_id
+from harness.ids import new_id, stream_key
 from harness.queue import JobQueue
 from harness.runner import Runner
 from harness.store import Store, StoredEvent, decode_data
@@ -33,9 +33,12 @@ def check_session_id(sid: str) -> str:
 
 
 def check_event_id(eid: str) -> str:
-    if not EVENT_ID.match(eid):
-        raise InvalidInput("an event id looks like 1700000000000-0", code="invalid_event_id")
-    return eid
+    """A stream id a client may resume after: `<ms>-<seq>`, both below 2**64, not the last."""
+    if EVENT_ID.match(eid):
+        ms, seq = stream_key(eid)
+        if ms < 2**64 and seq < 2**64 and (ms, seq) != (2**64 - 1, 2**64 - 1):
+            return eid
+    raise InvalidInput("an event id looks like 1700000000000-0", code="invalid_event_id")
 
 
 class Harness:

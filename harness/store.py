@@ -90,11 +90,14 @@ class Store:
     async def submit(
         self, sid: str, owner: str, message: InboxMessage, *, also: Callable[[Pipeline], None]
     ) -> tuple[bool, str, str, list[Any]]:
-        """Record a message and its message.received event, then run what `also` adds to a
-        pipeline (the job). Returns (duplicate, turn_id, received event id, replies of `also`);
-        a repeated message_id returns the first one's ids. For a session this process knows,
-        both go in one round trip; otherwise `also` runs only once the session proved to exist,
-        so a request for an unknown session writes nothing."""
+        """Record a message with its message.received event and, in the same round trip, what
+        `also` adds to the pipeline (the job). Returns (duplicate, turn_id, received event id,
+        replies of `also`); a repeated message_id returns the first one's ids. A session this
+        process has not seen is looked up first, so a request for an unknown one writes nothing."""
+        if self._known.get(sid) != owner:
+            if await self.redis.hget(SessionKeys(sid).meta, "owner") != owner.encode():
+                raise NotFound(f"no session {sid}", code="session_not_found")
+            self._remember(sid, owner)
         k = SessionKeys(sid)
         body = event_body(message.turn_id, {"message_id": message.message_id, "text": message.text})
         args: list[str | bytes | int] = [
@@ -105,30 +108,22 @@ class Store:
             self.retention,
             body,
         ]
-        known = self._known.get(sid) == owner
         for attempt in range(2):
             # EVALSHA by hand: redis-py runs SCRIPT EXISTS before any pipeline holding a Script.
             async with self.redis.pipeline(transaction=False) as pipe:
                 pipe.evalsha(self._submit.sha, 4, k.meta, k.inbox, k.mids, k.outbox, *args)
-                if known:
-                    also(pipe)
+                also(pipe)
                 replies: list[Any] = await pipe.execute(raise_on_error=False)
             if isinstance(replies[0], NoScriptError) and attempt == 0:
-                await self.redis.script_load(lua.SUBMIT)  # (a job added meanwhile is harmless)
+                await self.redis.script_load(lua.SUBMIT)  # (the job added meanwhile is harmless)
                 continue
             break
         for reply in replies:
             if isinstance(reply, Exception):
                 raise reply
-        res = replies[0]
-        if res[0] == b"missing":
+        res, extra = replies[0], replies[1:]
+        if res[0] == b"missing":  # sessions are never deleted: only an owner mismatch gets here
             raise NotFound(f"no session {sid}", code="session_not_found")
-        self._remember(sid, owner)
-        extra = replies[1:]
-        if not known:
-            async with self.redis.pipeline(transaction=False) as pipe:
-                also(pipe)
-                extra = await pipe.execute()
         if res[0] == b"dup":
             turn_id, received_id = res[1].decode().split(" ", 1)
             return True, turn_id, received_id, extra

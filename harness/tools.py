@@ -3,6 +3,7 @@ the description from the docstring, and arguments are validated against the same
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 from collections.abc import Awaitable, Callable
 from typing import Any, get_type_hints, overload
@@ -64,7 +65,9 @@ class Tool:
             kwargs[self._context_param] = context
         if self.is_async:
             return await self.fn(**kwargs)
-        return self.fn(**kwargs)
+        # In a thread: a slow sync tool must not stop the event loop (and with it the lease
+        # renewals of every turn in this process).
+        return await asyncio.to_thread(self.fn, **kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.fn(*args, **kwargs)

@@ -138,9 +138,9 @@ class TurnRunner:
         return RunTools(item)
 
     async def _run_tools(self, item: Item) -> None:
+        """Run the calls that have no committed result yet, committing each result as it comes:
+        after a crash only the call that was running runs again (with the same call id)."""
         done = {i.tool_call_id for i in self.turn_items if i.role == "tool"}
-        results: list[Item] = []
-        events: list[tuple[str, bytes]] = []
         for call in item.tool_calls:
             if call.id in done:
                 continue
@@ -155,24 +155,20 @@ class TurnRunner:
                 tool_name=call.name,
                 is_error=is_error,
             )
-            results.append(result)
-            events.append(
-                self._event(
-                    "tool.completed", {"call_id": call.id, "tool": call.name, "result": text, "is_error": is_error}
-                )
-            )
-        if results:
-            await self._commit(results, events)
-            self.turn_items.extend(results)
+            data = {"call_id": call.id, "tool": call.name, "result": text, "is_error": is_error}
+            await self._commit([result], [self._event("tool.completed", data)])
+            self.turn_items.append(result)
 
     async def _invoke(self, call: ToolCall) -> tuple[str, bool]:
         tool = self.agent.tools.get(call.name)
         if tool is None:
             return f"error: there is no tool named {call.name!r}", True
         assert call.id is not None
-        ctx = ToolContext(session_id=self.sid, turn_id=self.turn_id, call_id=call.id)
         try:
-            value = await tool.invoke(call.arguments, ctx)
+            if tool.needs_approval(call.arguments):
+                # Until keel can ask a person (the approvals capability), a gated call is never run.
+                return f"error: {call.name} needs human approval, which this service cannot ask for; not run", True
+            value = await tool.invoke(call.arguments, ToolContext(self.sid, self.turn_id, call.id))
         except asyncio.CancelledError:
             raise
         except msgspec.ValidationError as exc:

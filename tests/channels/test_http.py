@@ -93,6 +93,7 @@ BAD_MESSAGES = [
     (b'{"text": "a", "context": {"": "v"}}', 400, "invalid_request"),
     (b'{"text": "a", "context": [' + b",".join([b'"x"'] * 33) + b"]}", 400, "invalid_request"),
     (b'{"text": "' + b"x" * 5000 + b'"}', 413, "too_large"),
+    (b'{"text": "a", "context": ' + b"[" * 1500 + b"]" * 1500 + b"}", 400, "invalid_request"),
 ]
 
 
@@ -121,6 +122,15 @@ async def test_bad_messages_get_4xx_and_change_nothing(
         ("GET", "/v1/sessions/ses_00000000000000000000000000", b"", 404, "session_not_found"),
         ("GET", "/v1/sessions/nope/history", b"", 404, "session_not_found"),
         ("GET", "/v1/sessions/{sid}/events?after=abc", b"", 400, "invalid_event_id"),
+        ("GET", "/v1/sessions/{sid}/events?after=99999999999999999999-0", b"", 400, "invalid_event_id"),
+        (
+            "GET",
+            "/v1/sessions/{sid}/events?after=18446744073709551615-18446744073709551615",
+            b"",
+            400,
+            "invalid_event_id",
+        ),
+        ("POST", "/v1/sessions", b'{"metadata": ' + b'{"a":' * 1500 + b"1" + b"}" * 1500 + b"}", 400, "invalid_json"),
         ("POST", "/v1/sessions", b'{"metadata": []}', 400, "invalid_request"),
         ("POST", "/v1/sessions", b'{"meta": {}}', 400, "invalid_request"),
         ("DELETE", "/v1/sessions/{sid}", b"", 405, "method_not_allowed"),

@@ -71,6 +71,13 @@ async def test_replay_resume_and_live(serve: Any) -> None:
             again, _ = await asyncio.wait_for(read_sse(resp.aiter_lines(), "turn.completed"), 5)
         assert again == events[: len(again)]
 
+        # an EventSource reconnects to its first URL (?after=) with a newer Last-Event-ID: the newer wins
+        newer = first[-1]["id"]
+        headers = {"Last-Event-ID": newer}
+        async with c.stream("GET", f"/v1/sessions/{sid}/events?after={after}", headers=headers) as resp:
+            resumed, _ = await asyncio.wait_for(read_sse(resp.aiter_lines(), "turn.completed"), 5)
+        assert resumed == rest
+
 
 async def test_heartbeats_keep_an_idle_stream_alive(serve: Any) -> None:
     live = await serve(Agent(instructions="t", model=ScriptedModel(lambda r: ModelReply(text="x"))), sse_heartbeat=0.1)

@@ -195,3 +195,81 @@ async def test_a_busy_session_is_not_begun_twice(make_harness: Any) -> None:
     second = await h.store.begin(sid, "", 5_000)
     assert isinstance(first, Begun)
     assert type(second).__name__ == "Busy"
+
+
+async def test_a_slow_sync_tool_does_not_stop_other_sessions(make_harness: Any) -> None:
+    import threading
+
+    release = threading.Event()
+
+    @tool
+    def slow() -> str:
+        """Blocks until released (a slow sync tool: a file, a subprocess, a blocking client)."""
+        assert release.wait(10)
+        return "slow done"
+
+    def script(r: ModelRequest) -> ModelReply:
+        last = r.messages[-1]
+        if last.role == "user" and last.text == "slow":
+            return ModelReply(tool_calls=[ToolCall("slow")])
+        return ModelReply(text=f"re:{last.text}")
+
+    h = await make_harness(Agent(instructions="t", tools=[slow], model=ScriptedModel(script)))
+    a, b = await h.create_session("anon"), await h.create_session("anon")
+    blocked = await h.submit(a, "anon", "slow")
+    # while session a's tool blocks, session b's turn completes: the event loop is free
+    other = await h.wait_turn(await h.submit(b, "anon", "quick"), 5)
+    assert other.status == "completed" and other.reply == "re:quick"
+    release.set()
+    assert (await h.wait_turn(blocked, 10)).reply == "re:slow done"
+
+
+async def test_a_tool_that_needs_approval_is_never_run_yet(make_harness: Any) -> None:
+    ran: list[str] = []
+
+    @tool(approval=True)
+    def delete_all() -> str:
+        """Dangerous."""
+        ran.append("yes")
+        return "deleted"
+
+    @tool(approval=lambda name, args: args.get("amount", 0) > 100)
+    def pay(amount: int) -> str:
+        """Pays."""
+        ran.append(f"pay {amount}")
+        return "paid"
+
+    def script(r: ModelRequest) -> ModelReply:
+        if r.messages[-1].role == "user":
+            return ModelReply(
+                tool_calls=[ToolCall("delete_all"), ToolCall("pay", {"amount": 5}), ToolCall("pay", {"amount": 500})]
+            )
+        return ModelReply(text=" | ".join(m.text for m in r.messages if m.role == "tool"))
+
+    h = await make_harness(Agent(instructions="t", tools=[delete_all, pay], model=ScriptedModel(script)))
+    sid = await h.create_session("anon")
+    turn = await h.wait_turn(await h.submit(sid, "anon", "go"), 10)
+    assert ran == ["pay 5"]
+    assert turn.reply == (
+        "error: delete_all needs human approval, which this service cannot ask for; not run | paid | "
+        "error: pay needs human approval, which this service cannot ask for; not run"
+    )
+
+
+@pytest.mark.parametrize(
+    "context",
+    [{"page": True}, {"page": 3}, {"page": ["a"]}, ["a", 3], 5, {"": "v"}, {"k" * 65: "v"}],
+)
+async def test_the_python_api_refuses_malformed_context_and_writes_nothing(
+    make_harness: Any, redis: Any, context: Any
+) -> None:
+    from harness.errors import InvalidInput
+
+    agent = Agent(instructions="t", model=ScriptedModel(lambda r: ModelReply(text="ok")))
+    h = await make_harness(agent, run_turns=False)  # no runner writing in the background
+    sid = await h.create_session("anon")
+    before = {k: await redis.dump(k) for k in await redis.keys("*")}
+    with pytest.raises(InvalidInput):
+        await h.submit(sid, "anon", "hi", context)
+    assert {k: await redis.dump(k) for k in await redis.keys("*")} == before
+    assert not (await h.submit(sid, "anon", "next", {"page": "ok"})).duplicate

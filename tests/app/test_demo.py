@@ -1,0 +1,21 @@
+"""The demo agent works offline and keeps page context out of what it says (and so of history)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from app import load_agent
+
+
+async def test_the_demo_answers_uses_its_tools_and_names_context_without_quoting_it(make_harness: Any) -> None:
+    h = await make_harness(load_agent("app.demo:agent"))
+    sid = await h.create_session("anon")
+    hello = await h.wait_turn(await h.submit(sid, "anon", "hello", {"page": "/secret/path"}), 10)
+    assert hello.reply == (
+        "You said: 'hello'. I can see 1 page context entries: page. (Try 'what time is it' or 'add 2 and 3'.)"
+    )
+    add = await h.wait_turn(await h.submit(sid, "anon", "add 2 and 40"), 10)
+    assert add.reply == "The add tool says: 42"
+    clock = await h.wait_turn(await h.submit(sid, "anon", "what time is it?"), 10)
+    assert (clock.reply or "").startswith("The utc_time tool says: 20")
+    assert not any("/secret/path" in i.text for i in await h.history(sid, "anon"))
