@@ -22,9 +22,10 @@ log = logging.getLogger("keel.hub")
 
 
 class Watch:
-    def __init__(self, after: str | None) -> None:
+    def __init__(self, after: str | None, *, settled_only: bool = False) -> None:
         self._flag = asyncio.Event()
         self.seen = after  # the newest event id its reader has read (None: not known yet)
+        self.settled_only = settled_only  # local wake-ups only for commits that settle a turn
 
     def wake(self) -> None:
         self._flag.set()
@@ -48,27 +49,28 @@ class EventHub:
         self._task: asyncio.Task[None] | None = None
         self._followed = asyncio.Event()  # set when a session gets a position to poll from
 
-    def notify(self, sid: str, event_id: str | None = None) -> None:
-        """Wake the session's watches: this process committed up to `event_id`. The poller
-        needs to look only past it (any earlier event, from elsewhere, is read by the woken
-        readers now)."""
+    def notify(self, sid: str, event_id: str | None = None, *, settled: bool = True) -> None:
+        """Wake the session's watches: this process committed up to `event_id` (`settled`: a
+        commit that ended a turn). The poller needs to look only past it: any earlier event,
+        from elsewhere, is read by the woken readers now."""
         watches = self._watches.get(sid)
         if not watches:
             return
         for w in watches:
-            w.wake()
+            if settled or not w.settled_only:
+                w.wake()
         last = self._last.get(sid)
         if event_id is not None and last is not None and stream_key(event_id) > stream_key(last):
             self._last[sid] = event_id
 
     @contextlib.asynccontextmanager
-    async def watch(self, sid: str, after: str | None) -> AsyncIterator[Watch]:
+    async def watch(self, sid: str, after: str | None, *, settled_only: bool = False) -> AsyncIterator[Watch]:
         """Wake-ups for events after `after`, the id the caller has read up to. The poller
         starts from the oldest such id, so an event committed elsewhere after the caller's
         read can only wake it (perhaps needlessly), never be missed. Commits in this process
         wake every watch of the session. A watch opened with None learns its position later
         (`follow`); until then only local commits wake it."""
-        w = Watch(after)
+        w = Watch(after, settled_only=settled_only)
         self._watches.setdefault(sid, set()).add(w)
         if after is not None:
             self.follow(sid, w, after)
@@ -119,9 +121,13 @@ class EventHub:
                 res: Any = await redis.xread(streams, count=1, block=self._block)
                 for key, entries in res:
                     sid = key.decode().split("{", 1)[1].rsplit("}", 1)[0]
-                    if sid in self._watches:
-                        self._last[sid] = entries[-1][0].decode()
-                        self.notify(sid)
+                    eid = entries[-1][0].decode()
+                    last = self._last.get(sid)
+                    if last is None or stream_key(eid) <= stream_key(last):
+                        continue  # no longer watched, or written (and announced) by this process
+                    self._last[sid] = eid
+                    for w in self._watches.get(sid, ()):
+                        w.wake()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # Redis away: keep serving local notifications, retry

@@ -63,6 +63,7 @@ if holder and holder ~= ARGV[1] then return {'busy', redis.call('PTTL', KEYS[3])
 local fence = redis.call('HINCRBY', KEYS[1], 'fence', 1)
 redis.call('SET', KEYS[3], fence, 'PX', ARGV[2])
 local m = cjson.decode(head)
+local started = ''
 if redis.call('HGET', KEYS[1], 'turn') ~= m.turn_id then
   if type(m.sticky) == 'table' then
     for k, v in pairs(m.sticky) do
@@ -71,7 +72,7 @@ if redis.call('HGET', KEYS[1], 'turn') ~= m.turn_id then
     end
   end
   redis.call('HSET', KEYS[1], 'turn', m.turn_id, 'turn_start', redis.call('LLEN', KEYS[4]), 'status', 'running')
-  emit(KEYS[1], KEYS[6], ARGV[4], 'turn.started', '"turn_id":"' .. m.turn_id .. '","at":' .. ARGV[3] ..
+  started = emit(KEYS[1], KEYS[6], ARGV[4], 'turn.started', '"turn_id":"' .. m.turn_id .. '","at":' .. ARGV[3] ..
     ',"data":{"message_id":' .. cjson.encode(m.message_id) .. '}}')
 end
 local start = tonumber(redis.call('HGET', KEYS[1], 'hist_start'))
@@ -80,7 +81,7 @@ local from = start
 local have = tonumber(ARGV[6])
 if tonumber(ARGV[5]) == start and start + have <= redis.call('LLEN', KEYS[4]) then from = start + have end
 return {'ok', fence, head, turn_start - start, redis.call('HGETALL', KEYS[5]),
-  redis.call('LRANGE', KEYS[4], from, -1), start, from - start}
+  redis.call('LRANGE', KEYS[4], from, -1), start, from - start, started}
 """
 )
 

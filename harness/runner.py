@@ -12,14 +12,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
 
 from harness.agent import Agent
 from harness.errors import StaleLease
 from harness.ids import stream_key
 from harness.queue import JobQueue
 from harness.store import Begun, Busy, Store
-from harness.turn import TurnRunner
+from harness.turn import Publish, TurnRunner
 
 log = logging.getLogger("keel.runner")
 COVERED_MAX = 50_000  # sessions remembered as covered; past that the memo restarts (costs a BEGIN)
@@ -33,7 +32,7 @@ class Runner:
         store: Store,
         queue: JobQueue,
         agent: Agent,
-        publish: Callable[[str, str], None],
+        publish: Publish,
         *,
         concurrency: int = 64,
         lease_ms: int = 5_000,
@@ -202,6 +201,8 @@ class Runner:
                 await asyncio.sleep(min(begun.retry_ms, self.lease_ms) / 1000)
                 continue
             fence = begun.fence
+            if begun.started_id:
+                self.publish(sid, begun.started_id, False)
             try:
                 more = await self._run_turn(sid, begun)
             except StaleLease:

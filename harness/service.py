@@ -58,10 +58,13 @@ class Harness:
         self.queue = JobQueue(redis)
         self.hub = EventHub(redis)
         self.runner = (
-            Runner(self.store, self.queue, agent, self.hub.notify, concurrency=concurrency, lease_ms=lease_ms)
+            Runner(self.store, self.queue, agent, self._published, concurrency=concurrency, lease_ms=lease_ms)
             if run_turns
             else None
         )
+
+    def _published(self, sid: str, event_id: str, settled: bool) -> None:
+        self.hub.notify(sid, event_id, settled=settled)
 
     async def start(self) -> None:
         await self.queue.ensure_group()
@@ -102,7 +105,7 @@ class Harness:
         duplicate, turn_id, received_id, (job_id,) = await self.store.submit(
             sid, owner, message, also=lambda pipe: JobQueue.enqueue_into(pipe, sid)
         )
-        self.hub.notify(sid, received_id)
+        self.hub.notify(sid, received_id, settled=False)
         if self.runner is not None:
             self.runner.kick(sid, job_id.decode())
         return SubmitResult(
@@ -165,7 +168,7 @@ class Harness:
     async def wait_turn(self, result: SubmitResult, timeout: float) -> TurnResult:
         """Wait until the message's turn settles; returns its events (from message.received on)."""
         after = _before(result.received_id)
-        async with self.hub.watch(result.session_id, after) as watch:
+        async with self.hub.watch(result.session_id, after, settled_only=True) as watch:
             return await self._collect(result, watch, after, timeout, read_first=True)
 
     async def submit_and_wait(
@@ -174,10 +177,11 @@ class Harness:
         """`submit`, then `wait_turn`, with the wake-up armed before the message exists: a new
         message's events are then read once, when its turn has moved on."""
         check_session_id(sid)
-        async with self.hub.watch(sid, None) as watch:
+        async with self.hub.watch(sid, None, settled_only=True) as watch:
             result = await self.submit(sid, owner, text, context, message_id)
+            # Wake-ups are for what follows this message (the reader reads the message itself).
+            self.hub.follow(sid, watch, result.received_id)
             after = _before(result.received_id)
-            self.hub.follow(sid, watch, after)
             return await self._collect(result, watch, after, timeout, read_first=result.duplicate)
 
     async def _collect(

@@ -41,6 +41,7 @@ class Begun(msgspec.Struct, frozen=True):
     history: list[Item]  # active history before this turn
     turn_items: list[Item]  # what this turn already committed (non-empty only on resume)
     sticky: dict[str, str]
+    started_id: str = ""  # the turn.started event this BEGIN wrote ("" when resuming a turn)
 
 
 class Busy(msgspec.Struct, frozen=True):
@@ -160,7 +161,12 @@ class Store:
         items.extend(item_decoder.decode(raw) for raw in res[5])
         self._cache.put(sid, start, items)
         return Begun(
-            fence=str(res[1]), message=message, history=items[:n_before], turn_items=items[n_before:], sticky=sticky
+            fence=str(res[1]),
+            message=message,
+            history=items[:n_before],
+            turn_items=items[n_before:],
+            sticky=sticky,
+            started_id=res[8].decode(),
         )
 
     async def commit(

@@ -24,6 +24,8 @@ from harness.tools import ToolContext
 from harness.types import Item, ToolCall, Usage
 
 log = logging.getLogger("keel.turn")
+# Called after each commit: (session id, newest event id, whether the commit settled the turn).
+Publish = Callable[[str, str, bool], None]
 _enc = msgspec.json.Encoder()
 
 
@@ -45,7 +47,7 @@ StepOutcome = Final | RunTools
 class TurnRunner:
     """Runs the turn a runner has begun. Holds nothing between turns."""
 
-    def __init__(self, store: Store, agent: Agent, sid: str, begun: Begun, publish: Callable[[str, str], None]) -> None:
+    def __init__(self, store: Store, agent: Agent, sid: str, begun: Begun, publish: Publish) -> None:
         self.store = store
         self.agent = agent
         self.sid = sid
@@ -200,7 +202,7 @@ class TurnRunner:
             log.warning("session %s turn %s: lease lost, stopping", self.sid, self.turn_id)
             raise
         if committed.event_ids:
-            self._publish(self.sid, committed.event_ids[-1])
+            self._publish(self.sid, committed.event_ids[-1], final)
         return committed
 
     def _event(self, etype: str, data: dict[str, Any]) -> tuple[str, bytes]:
