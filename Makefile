@@ -26,6 +26,7 @@ lint: install
 
 typecheck: install
 	$(BIN)/mypy
+	$(BIN)/mypy --strict deploy/bench/*.py
 
 test: install lint typecheck
 	$(BIN)/python -m pytest -q

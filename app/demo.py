@@ -35,7 +35,8 @@ def _reply(request: ModelRequest) -> ModelReply:
         return ModelReply(tool_calls=[ToolCall("utc_time", {})])
     # Name what it sees, not its content: a reply is durable history; page context is not (I1).
     keys = [i.context_key or "(this turn)" for i in request.messages if i.kind in ("context", "sticky")]
-    seen = f" I can see {len(keys)} page context entries: {', '.join(keys)}." if keys else ""
+    noun = "entry" if len(keys) == 1 else "entries"
+    seen = f" I can see {len(keys)} page context {noun}: {', '.join(keys)}." if keys else ""
     return ModelReply(text=f"You said: {text!r}.{seen} (Try 'what time is it' or 'add 2 and 3'.)")
 
 

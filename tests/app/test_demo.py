@@ -12,7 +12,7 @@ async def test_the_demo_answers_uses_its_tools_and_names_context_without_quoting
     sid = await h.create_session("anon")
     hello = await h.wait_turn(await h.submit(sid, "anon", "hello", {"page": "/secret/path"}), 10)
     assert hello.reply == (
-        "You said: 'hello'. I can see 1 page context entries: page. (Try 'what time is it' or 'add 2 and 3'.)"
+        "You said: 'hello'. I can see 1 page context entry: page. (Try 'what time is it' or 'add 2 and 3'.)"
     )
     add = await h.wait_turn(await h.submit(sid, "anon", "add 2 and 40"), 10)
     assert add.reply == "The add tool says: 42"

