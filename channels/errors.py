@@ -31,12 +31,19 @@ class ChannelError(KeelError):
         self.status = status
 
 
-def error_body(code: str, message: str) -> bytes:
-    return _enc.encode({"error": {"code": code, "message": message}})
+def error_body(code: str, message: str, details: Mapping[str, str] | None = None) -> bytes:
+    return _enc.encode({"error": {"code": code, "message": message, **(details or {})}})
 
 
-def error_response(status: int, code: str, message: str, headers: Mapping[str, str] | None = None) -> Response:
-    return Response(error_body(code, message), status_code=status, media_type="application/json", headers=headers)
+def error_response(
+    status: int,
+    code: str,
+    message: str,
+    headers: Mapping[str, str] | None = None,
+    details: Mapping[str, str] | None = None,
+) -> Response:
+    body = error_body(code, message, details)
+    return Response(body, status_code=status, media_type="application/json", headers=headers)
 
 
 async def keel_error_handler(request: Request, exc: Exception) -> Response:
@@ -44,7 +51,7 @@ async def keel_error_handler(request: Request, exc: Exception) -> Response:
     if isinstance(exc, ChannelError):
         return error_response(exc.status, exc.code, exc.message)
     status = next((s for cls, s in _STATUS if isinstance(exc, cls)), 400)
-    return error_response(status, exc.code, exc.message)
+    return error_response(status, exc.code, exc.message, details=exc.details)
 
 
 async def http_error_handler(request: Request, exc: Exception) -> Response:

@@ -14,7 +14,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from channels.errors import ChannelError, error_response
-from channels.types import create_session_decoder, send_message_decoder
+from channels.types import create_session_decoder, respond_decoder, send_message_decoder
 from harness import Harness
 from harness.types import Item
 
@@ -124,6 +124,20 @@ async def send_message(request: Request) -> Response:
     return json_response({"session_id": sid, "message_id": result.message_id}, 202)
 
 
+async def respond(request: Request) -> Response:
+    sid = request.path_params["sid"]
+    body = decode(respond_decoder, await read_body(request))
+    res = await harness_of(request).respond(sid, owner_of(request), body.request_id, body.decision, body.reason)
+    return json_response({"session_id": sid, "request_id": body.request_id, "decision": res.answer.decision}, 202)
+
+
+async def cancel(request: Request) -> Response:
+    sid = request.path_params["sid"]
+    await read_body(request)  # no body expected; any is ignored, within the size limit
+    turn_id = await harness_of(request).cancel(sid, owner_of(request))
+    return json_response({"session_id": sid, "turn_id": turn_id}, 202)
+
+
 async def get_session(request: Request) -> Response:
     info = await harness_of(request).session(request.path_params["sid"], owner_of(request))
     return json_response(info)
@@ -156,5 +170,7 @@ def routes() -> list[Route]:
         Route("/v1/sessions/{sid}", get_session, methods=["GET"]),
         Route("/v1/sessions/{sid}/messages", send_message, methods=["POST"]),
         Route("/v1/sessions/{sid}/history", get_history, methods=["GET"]),
+        Route("/v1/sessions/{sid}/responses", respond, methods=["POST"]),
+        Route("/v1/sessions/{sid}/cancel", cancel, methods=["POST"]),
         Route("/v1/sessions/{sid}/events", stream_events, methods=["GET"]),
     ]

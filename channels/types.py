@@ -20,5 +20,12 @@ class SendMessage(msgspec.Struct, forbid_unknown_fields=True):
     message_id: str | None = None
 
 
+class Respond(msgspec.Struct, forbid_unknown_fields=True):
+    request_id: str
+    decision: str
+    reason: str = ""
+
+
 create_session_decoder = msgspec.json.Decoder(CreateSession)
+respond_decoder = msgspec.json.Decoder(Respond)
 send_message_decoder = msgspec.json.Decoder(SendMessage)

@@ -15,9 +15,10 @@ from __future__ import annotations
 class KeelError(Exception):
     code = "keel_error"
 
-    def __init__(self, message: str, *, code: str | None = None) -> None:
+    def __init__(self, message: str, *, code: str | None = None, details: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.message = message
+        self.details = details or {}  # extra fields of the wire error, e.g. a recorded decision
         if code is not None:
             self.code = code
 

@@ -11,7 +11,7 @@ JOBS_GROUP = "runners"
 class SessionKeys:
     """The keys of one session, built once per use."""
 
-    __slots__ = ("history", "inbox", "lease", "meta", "mids", "outbox", "sid", "sticky")
+    __slots__ = ("decisions", "history", "inbox", "lease", "meta", "mids", "outbox", "pending", "sid", "sticky")
 
     def __init__(self, sid: str) -> None:
         base = f"{PREFIX}:{{{sid}}}:"
@@ -23,3 +23,5 @@ class SessionKeys:
         self.mids = base + "mids"  # hash: message_id -> "turn_id received_id" (idempotency)
         self.outbox = base + "outbox"  # stream of events
         self.lease = base + "lease"  # string: fencing token of the runner that owns the session
+        self.pending = base + "pending"  # hash: request_id -> the approval request (never rewritten)
+        self.decisions = base + "decisions"  # hash: request_id -> the answer to it

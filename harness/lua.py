@@ -3,7 +3,13 @@
 
 Events are stored as stream fields `s` (seq), `t` (type) and `b` (the envelope's JSON after
 `session_id`: `"turn_id":...,"at":...,"data":...}`); readers add `id`, `seq`, `type` and
-`session_id` in front, so a redelivered event is byte-identical to its first delivery.
+`session_id` in front, so a redelivered event is byte-identical to its first delivery. Stored
+JSON from Python is never decoded and re-encoded here (cjson would change numbers).
+
+Meta fields: owner, created_at, metadata, status (idle|running|waiting), seq, fence, turn (the
+turn in progress), turn_start, hist_start, u_in/u_out/u_cached/u_calls (usage), waiting_on (the
+request ids the paused turn waits for), undecided (how many of them are unanswered), cancel (the
+turn a cancel was asked for).
 """
 
 from __future__ import annotations
@@ -22,7 +28,8 @@ CREATE = (
     + """
 if redis.call('EXISTS', KEYS[1]) == 1 then return {'exists'} end
 redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'created_at', ARGV[2], 'metadata', ARGV[3],
-  'status', 'idle', 'seq', 0, 'fence', 0, 'turn', '', 'turn_start', 0, 'hist_start', 0)
+  'status', 'idle', 'seq', 0, 'fence', 0, 'turn', '', 'turn_start', 0, 'hist_start', 0,
+  'waiting_on', '', 'undecided', 0, 'cancel', '')
 local id = emit(KEYS[1], KEYS[2], ARGV[4], 'session.created', ARGV[5])
 return {'ok', id}
 """
@@ -48,9 +55,10 @@ return {'new', id}
 
 # Takes the session for one turn: lease with a new fencing token, keyed context applied,
 # turn.started emitted once per turn, and everything the turn needs to run, in one trip.
-# History comes back from `have_start + have_len` on when the caller's cached copy starts at
-# the same index and is not longer than the list; else all of the active history.
-# KEYS: meta, inbox, lease, history, sticky, outbox.
+# A turn paused for approval is not taken until its requests are all answered (or it is
+# cancelled). History comes back from `have_start + have_len` on when the caller's cached copy
+# starts at the same index and is not longer than the list; else all of the active history.
+# KEYS: meta, inbox, lease, history, sticky, outbox, decisions.
 # ARGV: current_fence (this runner's token, or ''), lease_ttl_ms, now, retention, have_start, have_len
 BEGIN = (
     _EMIT
@@ -58,11 +66,16 @@ BEGIN = (
 if redis.call('EXISTS', KEYS[1]) == 0 then return {'missing'} end
 local head = redis.call('LINDEX', KEYS[2], 0)
 if not head then return {'empty'} end
+local m = cjson.decode(head)
+local cancel = redis.call('HGET', KEYS[1], 'cancel') == m.turn_id
+if redis.call('HGET', KEYS[1], 'status') == 'waiting' and not cancel
+   and tonumber(redis.call('HGET', KEYS[1], 'undecided')) > 0 then
+  return {'waiting'}
+end
 local holder = redis.call('GET', KEYS[3])
 if holder and holder ~= ARGV[1] then return {'busy', redis.call('PTTL', KEYS[3])} end
 local fence = redis.call('HINCRBY', KEYS[1], 'fence', 1)
 redis.call('SET', KEYS[3], fence, 'PX', ARGV[2])
-local m = cjson.decode(head)
 local started = ''
 if redis.call('HGET', KEYS[1], 'turn') ~= m.turn_id then
   if type(m.sticky) == 'table' then
@@ -71,55 +84,133 @@ if redis.call('HGET', KEYS[1], 'turn') ~= m.turn_id then
       elseif type(v) == 'string' then redis.call('HSET', KEYS[5], k, v) end
     end
   end
-  redis.call('HSET', KEYS[1], 'turn', m.turn_id, 'turn_start', redis.call('LLEN', KEYS[4]), 'status', 'running')
+  redis.call('HSET', KEYS[1], 'turn', m.turn_id, 'turn_start', redis.call('LLEN', KEYS[4]), 'status', 'running',
+    'waiting_on', '', 'undecided', 0)
   started = emit(KEYS[1], KEYS[6], ARGV[4], 'turn.started', '"turn_id":"' .. m.turn_id .. '","at":' .. ARGV[3] ..
     ',"data":{"message_id":' .. cjson.encode(m.message_id) .. '}}')
+else
+  redis.call('HSET', KEYS[1], 'status', 'running')
 end
 local start = tonumber(redis.call('HGET', KEYS[1], 'hist_start'))
 local turn_start = tonumber(redis.call('HGET', KEYS[1], 'turn_start'))
 local from = start
 local have = tonumber(ARGV[6])
 if tonumber(ARGV[5]) == start and start + have <= redis.call('LLEN', KEYS[4]) then from = start + have end
+local waiting_on = redis.call('HGET', KEYS[1], 'waiting_on')
+local decisions = {}
+for rid in string.gmatch(waiting_on, '%S+') do
+  decisions[#decisions + 1] = rid
+  decisions[#decisions + 1] = redis.call('HGET', KEYS[7], rid) or ''
+end
 return {'ok', fence, head, turn_start - start, redis.call('HGETALL', KEYS[5]),
-  redis.call('LRANGE', KEYS[4], from, -1), start, from - start, started}
+  redis.call('LRANGE', KEYS[4], from, -1), start, from - start, started, cancel and '1' or '', decisions}
 """
 )
 
-# One step's results, its events and its usage, guarded by the fencing token; with final=1
-# also the end of the turn: the message leaves the inbox and the lease is released if the
-# inbox is empty (else kept for the next turn).
-# KEYS: meta, lease, history, outbox, inbox.
-# ARGV: fence, turn_id, retention, final, u_in, u_out, u_cached, u_calls, n_items,
-#       items..., then (type, body) pairs
+# One step's results and events, guarded by the fencing token. Modes: '0' a step; '1' the end of
+# the turn (the message leaves the inbox; the lease is released if the inbox is empty, else
+# kept for the next turn); '2' a pause for approval (requests stored, status waiting, lease
+# released). Any mode reports whether a cancel was asked for this turn ('2' then does not pause).
+# KEYS: meta, lease, history, outbox, inbox, pending, decisions.
+# ARGV: fence, turn_id, retention, mode, waiting_on, n_items, items..., n_requests,
+#       (request_id, json)..., n_decisions, (request_id, json)..., then (type, body) pairs
 COMMIT = (
     _EMIT
     + """
 if redis.call('GET', KEYS[2]) ~= ARGV[1] or redis.call('HGET', KEYS[1], 'turn') ~= ARGV[2] then
   return {'stale'}
 end
-local n = tonumber(ARGV[9])
+local i = 6
+local n = tonumber(ARGV[i])
 local length = redis.call('LLEN', KEYS[3])
-if n > 0 then length = redis.call('RPUSH', KEYS[3], unpack(ARGV, 10, 9 + n)) end
-if ARGV[8] ~= '0' then
-  redis.call('HINCRBY', KEYS[1], 'u_in', ARGV[5])
-  redis.call('HINCRBY', KEYS[1], 'u_out', ARGV[6])
-  redis.call('HINCRBY', KEYS[1], 'u_cached', ARGV[7])
-  redis.call('HINCRBY', KEYS[1], 'u_calls', ARGV[8])
-end
+if n > 0 then length = redis.call('RPUSH', KEYS[3], unpack(ARGV, i + 1, i + n)) end
+i = i + n + 1
+n = tonumber(ARGV[i])
+for j = i + 1, i + 2 * n, 2 do redis.call('HSET', KEYS[6], ARGV[j], ARGV[j + 1]) end
+i = i + 2 * n + 1
+n = tonumber(ARGV[i])
+for j = i + 1, i + 2 * n, 2 do redis.call('HSET', KEYS[7], ARGV[j], ARGV[j + 1]) end
+i = i + 2 * n + 1
 local ids = {}
-for i = 10 + n, #ARGV, 2 do
-  ids[#ids + 1] = emit(KEYS[1], KEYS[4], ARGV[3], ARGV[i], ARGV[i + 1])
+for j = i, #ARGV, 2 do
+  ids[#ids + 1] = emit(KEYS[1], KEYS[4], ARGV[3], ARGV[j], ARGV[j + 1])
 end
-if ARGV[4] == '1' then
+local mode = ARGV[4]
+local cancel = redis.call('HGET', KEYS[1], 'cancel') == ARGV[2] and '1' or ''
+if mode == '2' and cancel == '' then
+  local count = 0
+  for _ in string.gmatch(ARGV[5], '%S+') do count = count + 1 end
+  redis.call('HSET', KEYS[1], 'status', 'waiting', 'waiting_on', ARGV[5], 'undecided', count)
+  redis.call('DEL', KEYS[2])
+  return {'paused', ids, length, cancel}
+end
+if mode == '1' then
   redis.call('LPOP', KEYS[5])
   local left = redis.call('LLEN', KEYS[5])
-  redis.call('HSET', KEYS[1], 'turn', '', 'status', left > 0 and 'running' or 'idle')
-  if left == 0 then redis.call('DEL', KEYS[2]); return {'done', ids, length} end
-  return {'more', ids, length}
+  redis.call('HSET', KEYS[1], 'turn', '', 'status', left > 0 and 'running' or 'idle', 'waiting_on', '', 'undecided', 0)
+  if cancel ~= '' then redis.call('HSET', KEYS[1], 'cancel', '') end
+  if left == 0 then redis.call('DEL', KEYS[2]); return {'done', ids, length, ''} end
+  return {'more', ids, length, ''}
 end
-return {'ok', ids, length}
+return {'ok', ids, length, cancel}
 """
 )
+
+# Usage of one provider attempt, recorded as soon as the provider answered and before the step
+# commits (I5): not fenced, since the attempt happened whoever owns the session now.
+# KEYS: meta, outbox. ARGV: retention, u_in, u_out, u_cached, event_body
+USAGE = (
+    _EMIT
+    + """
+redis.call('HINCRBY', KEYS[1], 'u_in', ARGV[2])
+redis.call('HINCRBY', KEYS[1], 'u_out', ARGV[3])
+redis.call('HINCRBY', KEYS[1], 'u_cached', ARGV[4])
+redis.call('HINCRBY', KEYS[1], 'u_calls', 1)
+return emit(KEYS[1], KEYS[2], ARGV[1], 'usage.recorded', ARGV[5])
+"""
+)
+
+# An answer to an approval request: recorded once; the turn becomes runnable when its last
+# request is answered. KEYS: meta, pending, decisions, outbox.
+# ARGV: owner, request_id, answer_json, retention, now, event_data_json
+RESPOND = (
+    _EMIT
+    + """
+local owner = redis.call('HGET', KEYS[1], 'owner')
+if not owner or owner ~= ARGV[1] then return {'missing'} end
+local request = redis.call('HGET', KEYS[2], ARGV[2])
+if not request then return {'unknown'} end
+local prev = redis.call('HGET', KEYS[3], ARGV[2])
+if prev then return {'answered', prev} end
+redis.call('HSET', KEYS[3], ARGV[2], ARGV[3])
+local turn = cjson.encode(cjson.decode(request).turn_id)
+local body = '"turn_id":' .. turn .. ',"at":' .. ARGV[5] .. ',"data":' .. ARGV[6] .. '}'
+local id = emit(KEYS[1], KEYS[4], ARGV[4], 'input.resolved', body)
+local left = -1
+if string.find(' ' .. redis.call('HGET', KEYS[1], 'waiting_on') .. ' ', ' ' .. ARGV[2] .. ' ', 1, true) then
+  left = redis.call('HINCRBY', KEYS[1], 'undecided', -1)
+  if left <= 0 and redis.call('HGET', KEYS[1], 'status') == 'waiting' then
+    redis.call('HSET', KEYS[1], 'status', 'running')
+  end
+end
+return {'ok', id, left}
+"""
+)
+
+# Asks the turn in progress (or, if none began yet, the next queued message's turn) to end.
+# The runner that holds (or next takes) the session finishes it. KEYS: meta, inbox. ARGV: owner
+CANCEL = """
+local owner = redis.call('HGET', KEYS[1], 'owner')
+if not owner or owner ~= ARGV[1] then return {'missing'} end
+local turn = redis.call('HGET', KEYS[1], 'turn')
+if turn == '' then
+  local head = redis.call('LINDEX', KEYS[2], 0)
+  if not head then return {'idle'} end
+  turn = cjson.decode(head).turn_id
+end
+redis.call('HSET', KEYS[1], 'cancel', turn)
+return {'ok', turn}
+"""
 
 # KEYS: lease. ARGV: fence, ttl_ms. Extends the lease only for its owner.
 RENEW = """

@@ -18,7 +18,7 @@ from harness.errors import StaleLease
 from harness.ids import stream_key
 from harness.queue import JobQueue
 from harness.store import Begun, Busy, Store
-from harness.turn import Publish, TurnRunner
+from harness.turn import Final, Publish, TurnRunner
 
 log = logging.getLogger("keel.runner")
 COVERED_MAX = 50_000  # sessions remembered as covered; past that the memo restarts (costs a BEGIN)
@@ -213,10 +213,10 @@ class Runner:
     async def _run_turn(self, sid: str, begun: Begun) -> bool:
         renewal = Renewal(self.store, sid, begun.fence, self.lease_ms)
         try:
-            final = await TurnRunner(self.store, self.agent, sid, begun, self.publish).run()
+            outcome = await TurnRunner(self.store, self.agent, sid, begun, self.publish).run()
         finally:
             renewal.cancel()
-        return final.more
+        return isinstance(outcome, Final) and outcome.more
 
 
 class Renewal:

@@ -10,20 +10,27 @@ from typing import Any
 
 from redis.asyncio import Redis
 
+from harness import failpoints
 from harness.agent import Agent
 from harness.context import split_context
-from harness.errors import InvalidInput, NotFound
+from harness.errors import Conflict, InvalidInput, NotFound
 from harness.hub import EventHub, Watch
 from harness.ids import new_id, stream_key
 from harness.queue import JobQueue
 from harness.runner import Runner
-from harness.store import Store, StoredEvent, decode_data
-from harness.types import InboxMessage, Item, PageContext, SessionInfo, SessionStatus, SubmitResult, TurnResult
+from harness.store import Responded, Store, StoredEvent, decode_data
+from harness.types import Answer, InboxMessage, Item, PageContext, SessionInfo, SessionStatus, SubmitResult, TurnResult
 
 SESSION_ID = re.compile(r"^ses_[0-9a-z]{26}$")
 EVENT_ID = re.compile(r"^\d{1,20}-\d{1,20}$")
 MESSAGE_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
-TERMINAL = {"turn.completed": "completed", "turn.failed": "failed", "turn.cancelled": "cancelled"}
+TERMINAL = {
+    "turn.completed": "completed",
+    "turn.failed": "failed",
+    "turn.cancelled": "cancelled",
+    "input.requested": "waiting",
+}
+MAX_REASON = 2_000
 
 
 def check_session_id(sid: str) -> str:
@@ -112,12 +119,60 @@ class Harness:
             session_id=sid, message_id=message_id, turn_id=turn_id, received_id=received_id, duplicate=duplicate
         )
 
+    async def respond(self, sid: str, owner: str, request_id: str, decision: str, reason: str = "") -> Responded:
+        """Answer an approval request. An answer is recorded once: the same answer again is
+        accepted (and makes sure the turn resumes), a different one is a Conflict."""
+        check_session_id(sid)
+        if decision not in ("approve", "deny"):
+            raise InvalidInput("decision must be approve or deny", code="invalid_decision")
+        if len(reason) > MAX_REASON:
+            raise InvalidInput(f"reason is longer than {MAX_REASON} characters")
+        if not MESSAGE_ID.match(request_id):
+            raise NotFound(f"no approval request {request_id[:64]} in session {sid}", code="request_not_found")
+        answer = Answer(decision, reason)  # type: ignore[arg-type]
+        res = await self.store.respond(sid, owner, request_id, answer)
+        if res.recorded:
+            self.hub.notify(sid, None, settled=False)
+            failpoints.reached("response.after_accept")
+            if res.runnable:
+                await self._wake(sid)
+        elif res.answer.decision != decision:
+            raise Conflict(
+                f"request {request_id} was already answered: {res.answer.decision}",
+                code="already_answered",
+                details={"decision": res.answer.decision},
+            )
+        else:
+            await self._wake(sid)  # a repeat: the first one may have died before it woke the turn
+        return res
+
+    async def cancel(self, sid: str, owner: str) -> str:
+        """End the turn in progress (or the next queued one). Returns its turn id."""
+        check_session_id(sid)
+        turn_id = await self.store.cancel(sid, owner)
+        if turn_id is None:
+            raise Conflict("there is no turn to cancel", code="nothing_to_cancel")
+        await self._wake(sid)
+        return turn_id
+
+    async def _wake(self, sid: str) -> None:
+        """Queue a job for the session (and run it here at once, if this process runs turns)."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            JobQueue.enqueue_into(pipe, sid)
+            (job_id,) = await pipe.execute()
+        if self.runner is not None:
+            self.runner.kick(sid, job_id.decode())
+
     # ---- reads -------------------------------------------------------------------------
 
     async def session(self, sid: str, owner: str) -> SessionInfo:
         check_session_id(sid)
         meta = await self.store.meta(sid, owner)
         queued = await self.store.queued(sid)
+        pending = [
+            {"request_id": r.request_id, "tool": r.tool, "arguments": r.arguments}
+            for r in await self.store.open_requests(sid, meta)
+        ]
         usage = {
             "input_tokens": int(meta.get("u_in", 0)),
             "output_tokens": int(meta.get("u_out", 0)),
@@ -128,7 +183,7 @@ class Harness:
         return SessionInfo(
             session_id=sid,
             status=status,
-            pending=[],
+            pending=pending,
             queued=queued,
             usage=usage,
             metadata=decode_data(meta["metadata"].encode()),

@@ -19,7 +19,18 @@ from harness import lua
 from harness.cache import HistoryCache
 from harness.errors import Conflict, NotFound, StaleLease
 from harness.keys import SessionKeys
-from harness.types import Event, InboxMessage, Item, inbox_decoder, item_decoder
+from harness.types import (
+    Answer,
+    ApprovalRequest,
+    Event,
+    InboxMessage,
+    Item,
+    Usage,
+    answer_decoder,
+    inbox_decoder,
+    item_decoder,
+    request_decoder,
+)
 
 _enc = msgspec.json.Encoder()
 KNOWN_MAX = 100_000
@@ -42,6 +53,8 @@ class Begun(msgspec.Struct, frozen=True):
     turn_items: list[Item]  # what this turn already committed (non-empty only on resume)
     sticky: dict[str, str]
     started_id: str = ""  # the turn.started event this BEGIN wrote ("" when resuming a turn)
+    cancel: bool = False  # a cancel was asked for this turn
+    answers: dict[str, Answer | None] = {}  # the paused step's requests and their answers so far
 
 
 class Busy(msgspec.Struct, frozen=True):
@@ -50,7 +63,20 @@ class Busy(msgspec.Struct, frozen=True):
 
 class Committed(msgspec.Struct, frozen=True):
     event_ids: list[str]
-    more: bool  # final commit only: the inbox has another message, lease kept
+    more: bool = False  # final commit only: the inbox has another message, lease kept
+    paused: bool = False  # pause commit: the session now waits for answers, lease released
+    cancel: bool = False  # a cancel was asked for this turn: finish it as cancelled
+
+
+class Responded(msgspec.Struct, frozen=True):
+    """RESPOND's outcome: `answer` is the recorded one (the earlier one if already answered)."""
+
+    recorded: bool
+    answer: Answer
+    runnable: bool = False  # this was the last open request of the paused turn
+
+
+COMMIT_MODE = {"step": "0", "final": "1", "pause": "2"}
 
 
 class Store:
@@ -61,6 +87,9 @@ class Store:
         self._submit = redis.register_script(lua.SUBMIT)
         self._begin = redis.register_script(lua.BEGIN)
         self._commit = redis.register_script(lua.COMMIT)
+        self._usage = redis.register_script(lua.USAGE)
+        self._respond = redis.register_script(lua.RESPOND)
+        self._cancel = redis.register_script(lua.CANCEL)
         self._renew = redis.register_script(lua.RENEW)
         self._release = redis.register_script(lua.RELEASE)
         self._known: dict[str, str] = {}  # session id -> owner, seen to exist
@@ -144,7 +173,7 @@ class Store:
         cached = self._cache.get(sid)
         have_start, have = (cached[0], cached[1]) if cached is not None else (-1, [])
         res = await self._begin(
-            keys=[k.meta, k.inbox, k.lease, k.history, k.sticky, k.outbox],
+            keys=[k.meta, k.inbox, k.lease, k.history, k.sticky, k.outbox, k.decisions],
             args=[fence, lease_ms, repr(time.time()), self.retention, have_start, len(have)],
         )
         tag = res[0]
@@ -167,6 +196,11 @@ class Store:
             turn_items=items[n_before:],
             sticky=sticky,
             started_id=res[8].decode(),
+            cancel=res[9] == b"1",
+            answers={
+                res[10][i].decode(): answer_decoder.decode(res[10][i + 1]) if res[10][i + 1] else None
+                for i in range(0, len(res[10]), 2)
+            },
         )
 
     async def commit(
@@ -177,20 +211,102 @@ class Store:
         items: Sequence[Item],
         events: Sequence[tuple[str, bytes]],
         *,
-        usage: tuple[int, int, int, int] = (0, 0, 0, 0),
-        final: bool = False,
+        mode: str = "step",
+        requests: Sequence[ApprovalRequest] = (),
+        answers: Sequence[tuple[str, Answer]] = (),
     ) -> Committed:
+        """Commit a step (mode "step"), the end of a turn ("final"), or a pause for the
+        approval `requests` ("pause"). `answers` records answers the harness gives itself
+        (withdrawn requests of a cancelled turn)."""
         k = SessionKeys(sid)
-        args: list[Any] = [fence, turn_id, self.retention, "1" if final else "0", *usage, len(items)]
+        waiting_on = " ".join(r.request_id for r in requests) if mode == "pause" else ""
+        args: list[Any] = [fence, turn_id, self.retention, COMMIT_MODE[mode], waiting_on, len(items)]
         args.extend(_enc.encode(item) for item in items)
+        args.append(len(requests))
+        for r in requests:
+            args += (r.request_id, _enc.encode(r))
+        args.append(len(answers))
+        for rid, answer in answers:
+            args += (rid, _enc.encode(answer))
         for etype, body in events:
-            args.append(etype)
-            args.append(body)
-        res = await self._commit(keys=[k.meta, k.lease, k.history, k.outbox, k.inbox], args=args)
+            args += (etype, body)
+        res = await self._commit(
+            keys=[k.meta, k.lease, k.history, k.outbox, k.inbox, k.pending, k.decisions], args=args
+        )
         if res[0] == b"stale":
             raise StaleLease(f"session {sid}: lease {fence} is no longer held")
         self._cache.extend(sid, list(items), int(res[2]))
-        return Committed(event_ids=[i.decode() for i in res[1]], more=res[0] == b"more")
+        return Committed(
+            event_ids=[i.decode() for i in res[1]],
+            more=res[0] == b"more",
+            paused=res[0] == b"paused",
+            cancel=res[3] == b"1",
+        )
+
+    async def record_usage(self, sid: str, turn_id: str, step: int, usage: Usage) -> str:
+        """Account one provider attempt, before its step commits (I5). Returns the event id."""
+        k = SessionKeys(sid)
+        data = {
+            "step": step,
+            "input_tokens": usage.input_tokens,
+            "output_tokens": usage.output_tokens,
+            "cached_tokens": usage.cached_tokens,
+        }
+        args: list[int | bytes] = [self.retention, usage.input_tokens, usage.output_tokens, usage.cached_tokens]
+        args.append(event_body(turn_id, data))
+        eid: bytes = await self._usage(keys=[k.meta, k.outbox], args=args)
+        return eid.decode()
+
+    async def respond(self, sid: str, owner: str, request_id: str, answer: Answer) -> Responded:
+        k = SessionKeys(sid)
+        data = {"request_id": request_id, "decision": answer.decision, "reason": answer.reason}
+        res = await self._respond(
+            keys=[k.meta, k.pending, k.decisions, k.outbox],
+            args=[
+                owner,
+                request_id,
+                _enc.encode(answer),
+                self.retention,
+                repr(round(time.time(), 6)),
+                _enc.encode(data),
+            ],
+        )
+        tag = res[0]
+        if tag == b"missing":
+            raise NotFound(f"no session {sid}", code="session_not_found")
+        if tag == b"unknown":
+            raise NotFound(f"no approval request {request_id} in session {sid}", code="request_not_found")
+        if tag == b"answered":
+            return Responded(recorded=False, answer=answer_decoder.decode(res[1]))
+        return Responded(recorded=True, answer=answer, runnable=int(res[2]) == 0)
+
+    async def request(self, sid: str, request_id: str) -> ApprovalRequest | None:
+        raw: Any = await self.redis.hget(SessionKeys(sid).pending, request_id)
+        return None if raw is None else request_decoder.decode(raw)
+
+    async def open_requests(self, sid: str, meta: dict[str, str]) -> list[ApprovalRequest]:
+        """The paused turn's requests that have no answer yet, in the order they were made."""
+        rids = meta.get("waiting_on", "").split()
+        if not rids:
+            return []
+        k = SessionKeys(sid)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hmget(k.pending, rids)
+            pipe.hmget(k.decisions, rids)
+            requests, answers = await pipe.execute()
+        return [request_decoder.decode(r) for r, a in zip(requests, answers, strict=True) if r and not a]
+
+    async def cancel(self, sid: str, owner: str) -> str | None:
+        """Ask the current (or next) turn to end. Returns its turn id; None if there is none."""
+        k = SessionKeys(sid)
+        res = await self._cancel(keys=[k.meta, k.inbox], args=[owner])
+        if res[0] == b"missing":
+            raise NotFound(f"no session {sid}", code="session_not_found")
+        return None if res[0] == b"idle" else res[1].decode()
+
+    async def queued_ids(self, sid: str, limit: int = 50) -> list[str]:
+        raw: Any = await self.redis.lrange(SessionKeys(sid).inbox, 0, limit - 1)
+        return [inbox_decoder.decode(r).message_id for r in raw]
 
     async def renew(self, sid: str, fence: str, lease_ms: int) -> bool:
         return bool(await self._renew(keys=[SessionKeys(sid).lease], args=[fence, lease_ms]))

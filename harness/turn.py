@@ -2,6 +2,8 @@
 
 Every step's outcome is committed (with its events) before anything acts on it; a turn that
 resumes after a crash starts from what was committed and never recomputes a committed step.
+A step whose calls need approval commits them as requests and pauses the turn; the turn
+resumes when every request is answered, and runs exactly the stored calls.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 
 import msgspec
 
+from harness import failpoints
 from harness.agent import Agent
 from harness.errors import StaleLease
 from harness.ids import new_id
@@ -21,12 +24,12 @@ from harness.models.base import ModelReply
 from harness.prompt import assemble, user_item
 from harness.store import Begun, Committed, Store, event_body
 from harness.tools import ToolContext
-from harness.types import Item, ToolCall, Usage
+from harness.types import Answer, ApprovalRequest, Item, ToolCall, Usage
 
 log = logging.getLogger("keel.turn")
+_enc = msgspec.json.Encoder()
 # Called after each commit: (session id, newest event id, whether the commit settled the turn).
 Publish = Callable[[str, str, bool], None]
-_enc = msgspec.json.Encoder()
 
 
 @dataclass(frozen=True)
@@ -37,11 +40,28 @@ class Final:
 
 
 @dataclass(frozen=True)
+class Paused:
+    """The turn waits for answers to approval requests; the lease is released."""
+
+
+@dataclass(frozen=True)
 class RunTools:
     item: Item  # the committed assistant item whose calls must now run
 
 
-StepOutcome = Final | RunTools
+@dataclass(frozen=True)
+class Cancel:
+    """A cancel was asked for this turn: end it now."""
+
+
+Outcome = Final | Paused
+StepOutcome = Final | Paused | RunTools | Cancel
+
+
+def request_id(call_id: str) -> str:
+    """A call's approval request id: derived from the committed call id, so it is the same
+    after any crash or retry (I2, I3)."""
+    return f"req_{call_id}"
 
 
 class TurnRunner:
@@ -58,29 +78,33 @@ class TurnRunner:
         self.user_committed = len(begun.turn_items) > 0
         self._publish = publish
 
-    async def run(self) -> Final:
+    async def run(self) -> Outcome:
+        if self.begun.cancel:
+            return await self.cancel()
         pending = self._unfinished_calls()
-        if pending is not None:
-            outcome: StepOutcome = RunTools(pending)
-        else:
-            outcome = await self._model_step()
+        outcome: StepOutcome = RunTools(pending) if pending is not None else await self._model_step()
         while True:
             match outcome:
-                case Final():
+                case Final() | Paused():
                     return outcome
+                case Cancel():
+                    return await self.cancel()
                 case RunTools(item=item):
-                    await self._run_tools(item)
-                    outcome = await self._model_step()
+                    stopped = await self._run_tools(item)
+                    outcome = stopped if stopped is not None else await self._model_step()
 
     def _unfinished_calls(self) -> Item | None:
         """On resume: the last committed assistant item, if some of its calls have no result."""
+        done = {i.tool_call_id for i in self.turn_items if i.role == "tool"}
         for item in reversed(self.turn_items):
             if item.role == "assistant":
-                return item if item.tool_calls else None
+                return item if any(c.id not in done for c in item.tool_calls) else None
         return None
 
     def _step(self) -> int:
         return sum(1 for i in self.turn_items if i.role == "assistant")
+
+    # ---- model steps -------------------------------------------------------------------
 
     async def _model_step(self) -> StepOutcome:
         step = self._step()
@@ -102,51 +126,77 @@ class TurnRunner:
         except Exception as exc:
             log.warning("session %s turn %s: model failed: %s", self.sid, self.turn_id, type(exc).__name__)
             return await self.fail("model_error", f"the model call failed: {type(exc).__name__}: {exc}")
-        return await self._commit_reply(reply, step)
+        # The attempt is accounted before its step commits: a retried step shows both (I5).
+        await self.store.record_usage(self.sid, self.turn_id, step, reply.usage or Usage())
+        return await self._commit_reply(reply)
 
-    async def _commit_reply(self, reply: ModelReply, step: int) -> StepOutcome:
+    async def _commit_reply(self, reply: ModelReply) -> StepOutcome:
         calls = tuple(c if c.id else ToolCall(c.name, c.arguments, new_id("call")) for c in reply.tool_calls)
         item = Item(id=new_id("it"), role="assistant", text=reply.text, turn_id=self.turn_id, tool_calls=calls)
-        usage = reply.usage or Usage()
         items = [] if self.user_committed else [user_item(self.message)]
         items.append(item)
-        events: list[tuple[str, bytes]] = [
-            self._event(
-                "usage.recorded",
-                {
-                    "step": step,
-                    "input_tokens": usage.input_tokens,
-                    "output_tokens": usage.output_tokens,
-                    "cached_tokens": usage.cached_tokens,
-                },
-            ),
-        ]
+        events: list[tuple[str, bytes]] = []
         if reply.text:
             events.append(self._event("message.completed", {"item_id": item.id, "text": reply.text}))
-        for call in calls:
-            events.append(
-                self._event("tool.started", {"call_id": call.id, "tool": call.name, "arguments": call.arguments})
-            )
-        final = not calls
-        if final:
+        gated = [c for c in calls if self._needs_approval(c)]
+        requests = [
+            ApprovalRequest(request_id(c.id or ""), c.id or "", c.name, c.arguments, self.turn_id) for c in gated
+        ]
+        if requests:
+            data = [{"request_id": r.request_id, "tool": r.tool, "arguments": r.arguments} for r in requests]
+            events.append(self._event("input.requested", {"requests": data}))
+            mode = "pause"
+        elif calls:
+            events.extend(self._tool_started(calls))
+            mode = "step"
+        else:
             events.append(self._event("turn.completed", {"message_id": self.message.message_id, "reply": reply.text}))
-        committed = await self._commit(
-            items, events, final=final, usage=(usage.input_tokens, usage.output_tokens, usage.cached_tokens, 1)
-        )
+            mode = "final"
+        failpoints.reached("step.before_commit")
+        committed = await self._commit(items, events, mode=mode, requests=requests, after="step.after_commit")
         self.user_committed = True
         self.turn_items.append(item)
-        if final:
+        if mode == "final":
             return Final(more=committed.more)
+        if committed.cancel:
+            return Cancel()
+        if committed.paused:
+            return Paused()
         return RunTools(item)
 
-    async def _run_tools(self, item: Item) -> None:
+    def _needs_approval(self, call: ToolCall) -> bool:
+        tool = self.agent.tools.get(call.name)
+        if tool is None:
+            return False  # answered with an error result; nothing runs
+        try:
+            return tool.needs_approval(call.arguments)
+        except Exception:
+            log.warning("approval check of %s failed; asking a person", call.name, exc_info=True)
+            return True  # when in doubt, ask
+
+    # ---- tools -------------------------------------------------------------------------
+
+    async def _run_tools(self, item: Item) -> Final | Paused | Cancel | None:
         """Run the calls that have no committed result yet, committing each result as it comes:
-        after a crash only the call that was running runs again (with the same call id)."""
+        after a crash only the call that was running runs again (with the same call id). Calls
+        of a step that paused for approval run (or are refused) by their answers."""
         done = {i.tool_call_id for i in self.turn_items if i.role == "tool"}
-        for call in item.tool_calls:
-            if call.id in done:
-                continue
-            text, is_error = await self._invoke(call)
+        todo = [c for c in item.tool_calls if c.id not in done]
+        answers = self.begun.answers
+        if any(request_id(c.id or "") in answers for c in todo):
+            if any(answers.get(request_id(c.id or ""), False) is None for c in todo):
+                return Paused()  # cannot happen (BEGIN waits for every answer); never run unanswered
+            committed = await self._commit([], self._tool_started(todo))
+            if committed.cancel:
+                return Cancel()
+        for call in todo:
+            answer = answers.get(request_id(call.id or ""))
+            if answer is not None and answer.decision != "approve":
+                why = f": {answer.reason}" if answer.reason else ""
+                text, is_error = f"error: a person denied this call{why}", True
+            else:
+                text, is_error = await self._invoke(call)
+                failpoints.reached("tool.after_run")
             result = Item(
                 id=f"it_{call.id}_r",
                 role="tool",
@@ -158,19 +208,18 @@ class TurnRunner:
                 is_error=is_error,
             )
             data = {"call_id": call.id, "tool": call.name, "result": text, "is_error": is_error}
-            await self._commit([result], [self._event("tool.completed", data)])
+            committed = await self._commit([result], [self._event("tool.completed", data)])
             self.turn_items.append(result)
+            if committed.cancel:
+                return Cancel()
+        return None
 
     async def _invoke(self, call: ToolCall) -> tuple[str, bool]:
         tool = self.agent.tools.get(call.name)
         if tool is None:
             return f"error: there is no tool named {call.name!r}", True
-        assert call.id is not None
         try:
-            if tool.needs_approval(call.arguments):
-                # Until keel can ask a person (the approvals capability), a gated call is never run.
-                return f"error: {call.name} needs human approval, which this service cannot ask for; not run", True
-            value = await tool.invoke(call.arguments, ToolContext(self.sid, self.turn_id, call.id))
+            value = await tool.invoke(call.arguments, ToolContext(self.sid, self.turn_id, call.id or ""))
         except asyncio.CancelledError:
             raise
         except msgspec.ValidationError as exc:
@@ -179,11 +228,46 @@ class TurnRunner:
             return f"error: {type(exc).__name__}: {exc}", True
         return _result_text(value), False
 
+    def _tool_started(self, calls: tuple[ToolCall, ...] | list[ToolCall]) -> list[tuple[str, bytes]]:
+        return [self._event("tool.started", {"call_id": c.id, "tool": c.name, "arguments": c.arguments}) for c in calls]
+
+    # ---- endings -----------------------------------------------------------------------
+
     async def fail(self, code: str, message: str) -> Final:
         event = self._event(
             "turn.failed", {"message_id": self.message.message_id, "error": {"code": code, "message": message}}
         )
-        committed = await self._commit([] if self.user_committed else [user_item(self.message)], [event], final=True)
+        committed = await self._commit([] if self.user_committed else [user_item(self.message)], [event], mode="final")
+        return Final(more=committed.more)
+
+    async def cancel(self) -> Final:
+        """End the turn as cancelled: open requests withdrawn, every call without a result
+        answered with an error result (a tool call is never left without its result)."""
+        items: list[Item] = [] if self.user_committed else [user_item(self.message)]
+        events: list[tuple[str, bytes]] = []
+        withdrawn = [(rid, Answer("withdrawn")) for rid, answer in self.begun.answers.items() if answer is None]
+        for rid, _ in withdrawn:
+            data = {"request_id": rid, "decision": "withdrawn", "reason": "the turn was cancelled"}
+            events.append(self._event("input.resolved", data))
+        pending = self._unfinished_calls()
+        if pending is not None:
+            done = {i.tool_call_id for i in self.turn_items if i.role == "tool"}
+            for call in pending.tool_calls:
+                if call.id not in done:
+                    items.append(
+                        Item(
+                            id=f"it_{call.id}_r",
+                            role="tool",
+                            text="error: the turn was cancelled; not run",
+                            kind="tool_result",
+                            turn_id=self.turn_id,
+                            tool_call_id=call.id,
+                            tool_name=call.name,
+                            is_error=True,
+                        )
+                    )
+        events.append(self._event("turn.cancelled", {"message_id": self.message.message_id}))
+        committed = await self._commit(items, events, mode="final", answers=withdrawn)
         return Final(more=committed.more)
 
     async def _commit(
@@ -191,18 +275,29 @@ class TurnRunner:
         items: list[Item],
         events: list[tuple[str, bytes]],
         *,
-        final: bool = False,
-        usage: tuple[int, int, int, int] = (0, 0, 0, 0),
+        mode: str = "step",
+        requests: list[ApprovalRequest] | None = None,
+        answers: list[tuple[str, Answer]] | None = None,
+        after: str | None = None,
     ) -> Committed:
         try:
             committed = await self.store.commit(
-                self.sid, self.begun.fence, self.turn_id, items, events, usage=usage, final=final
+                self.sid,
+                self.begun.fence,
+                self.turn_id,
+                items,
+                events,
+                mode=mode,
+                requests=requests or (),
+                answers=answers or (),
             )
         except StaleLease:
             log.warning("session %s turn %s: lease lost, stopping", self.sid, self.turn_id)
             raise
+        if after is not None:
+            failpoints.reached(after)
         if committed.event_ids:
-            self._publish(self.sid, committed.event_ids[-1], final)
+            self._publish(self.sid, committed.event_ids[-1], mode != "step")
         return committed
 
     def _event(self, etype: str, data: dict[str, Any]) -> tuple[str, bytes]:

@@ -109,3 +109,25 @@ class TurnResult(msgspec.Struct, frozen=True):
 item_encoder = msgspec.json.Encoder()
 item_decoder = msgspec.json.Decoder(Item)
 inbox_decoder = msgspec.json.Decoder(InboxMessage)
+
+
+Decision = Literal["approve", "deny", "withdrawn"]
+
+
+class ApprovalRequest(msgspec.Struct, frozen=True):
+    """A tool call waiting for a person's answer. Stored once, never rewritten."""
+
+    request_id: str
+    call_id: str
+    tool: str
+    arguments: dict[str, Any]
+    turn_id: str
+
+
+class Answer(msgspec.Struct, frozen=True, omit_defaults=True):
+    decision: Decision
+    reason: str = ""
+
+
+request_decoder = msgspec.json.Decoder(ApprovalRequest)
+answer_decoder = msgspec.json.Decoder(Answer)

@@ -179,9 +179,9 @@ async def test_a_commit_from_a_stale_lease_is_refused(make_harness: Any, redis: 
     assert isinstance(new, Begun) and int(new.fence) > int(old.fence)
     assert new.message.turn_id == old.message.turn_id
     with pytest.raises(StaleLease):
-        await h.store.commit(sid, old.fence, old.message.turn_id, [], [], final=True)
+        await h.store.commit(sid, old.fence, old.message.turn_id, [], [], mode="final")
     assert await h.store.queued(sid) == 1  # the stale final commit popped nothing
-    await h.store.commit(sid, new.fence, new.message.turn_id, [], [], final=True)
+    await h.store.commit(sid, new.fence, new.message.turn_id, [], [], mode="final")
     assert await h.store.queued(sid) == 0
 
 
@@ -222,38 +222,6 @@ async def test_a_slow_sync_tool_does_not_stop_other_sessions(make_harness: Any) 
     assert other.status == "completed" and other.reply == "re:quick"
     release.set()
     assert (await h.wait_turn(blocked, 10)).reply == "re:slow done"
-
-
-async def test_a_tool_that_needs_approval_is_never_run_yet(make_harness: Any) -> None:
-    ran: list[str] = []
-
-    @tool(approval=True)
-    def delete_all() -> str:
-        """Dangerous."""
-        ran.append("yes")
-        return "deleted"
-
-    @tool(approval=lambda name, args: args.get("amount", 0) > 100)
-    def pay(amount: int) -> str:
-        """Pays."""
-        ran.append(f"pay {amount}")
-        return "paid"
-
-    def script(r: ModelRequest) -> ModelReply:
-        if r.messages[-1].role == "user":
-            return ModelReply(
-                tool_calls=[ToolCall("delete_all"), ToolCall("pay", {"amount": 5}), ToolCall("pay", {"amount": 500})]
-            )
-        return ModelReply(text=" | ".join(m.text for m in r.messages if m.role == "tool"))
-
-    h = await make_harness(Agent(instructions="t", tools=[delete_all, pay], model=ScriptedModel(script)))
-    sid = await h.create_session("anon")
-    turn = await h.wait_turn(await h.submit(sid, "anon", "go"), 10)
-    assert ran == ["pay 5"]
-    assert turn.reply == (
-        "error: delete_all needs human approval, which this service cannot ask for; not run | paid | "
-        "error: pay needs human approval, which this service cannot ask for; not run"
-    )
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,212 @@
+"""Human approval: gated calls pause the turn as committed requests; answers resume it and run
+exactly the stored calls; denials, repeats, conflicts, queueing behind a paused turn, cancel."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from harness import Agent, ToolContext, tool
+from harness.errors import Conflict, InvalidInput, NotFound
+from harness.models import ModelReply, ModelRequest, ScriptedModel, ToolCall
+
+
+def gated_agent(runs: list[tuple[str, dict[str, Any], str]]) -> tuple[Agent, ScriptedModel]:
+    @tool(approval=True)
+    def delete(path: str, ctx: ToolContext) -> str:
+        """Delete a file."""
+        runs.append(("delete", {"path": path}, ctx.call_id))
+        return f"deleted {path}"
+
+    @tool(approval=lambda name, args: args["amount"] > 100)
+    def pay(amount: int, ctx: ToolContext) -> str:
+        """Pay."""
+        runs.append(("pay", {"amount": amount}, ctx.call_id))
+        return f"paid {amount}"
+
+    def script(r: ModelRequest) -> ModelReply:
+        last = r.messages[-1]
+        if last.role == "user" and last.text.startswith("delete"):
+            return ModelReply(text="asking", tool_calls=[ToolCall("delete", {"path": last.text.split()[1]})])
+        if last.role == "user" and last.text == "pay both":
+            return ModelReply(tool_calls=[ToolCall("pay", {"amount": 5}), ToolCall("pay", {"amount": 500})])
+        if last.role == "user" and last.text == "two deletes":
+            return ModelReply(tool_calls=[ToolCall("delete", {"path": "/a"}), ToolCall("delete", {"path": "/b"})])
+        if last.role == "tool":
+            return ModelReply(
+                text=" | ".join(m.text for m in r.messages if m.role == "tool" and m.turn_id == r.turn_id)
+            )
+        return ModelReply(text=f"re:{last.text}")
+
+    model = ScriptedModel(script)
+    return Agent(instructions="t", tools=[delete, pay], model=model), model
+
+
+async def test_a_gated_call_waits_for_approval_then_runs_exactly_as_stored(make_harness: Any) -> None:
+    runs: list[tuple[str, dict[str, Any], str]] = []
+    agent, model = gated_agent(runs)
+    h = await make_harness(agent)
+    sid = await h.create_session("anon")
+    turn = await h.wait_turn(await h.submit(sid, "anon", "delete /tmp/x"), 10)
+    assert turn.status == "waiting"
+    requested = turn.events[-1]
+    assert requested["type"] == "input.requested"
+    (req,) = requested["data"]["requests"]
+    assert req["tool"] == "delete" and req["arguments"] == {"path": "/tmp/x"}
+    info = await h.session(sid, "anon")
+    assert info.status == "waiting" and info.pending == [req]
+    assert runs == []
+
+    res = await h.respond(sid, "anon", req["request_id"], "approve")
+    assert res.recorded
+    done = await h.wait_turn(await h.submit(sid, "anon", "after"), 10)  # queued behind, runs after the resume
+    assert done.status == "completed"
+    history = await h.history(sid, "anon")
+    call = history[1].tool_calls[0]
+    assert runs == [("delete", {"path": "/tmp/x"}, call.id)]
+    assert req["request_id"] == f"req_{call.id}"
+    assert [(i.role, i.text) for i in history] == [
+        ("user", "delete /tmp/x"),
+        ("assistant", "asking"),
+        ("tool", "deleted /tmp/x"),
+        ("assistant", "deleted /tmp/x"),
+        ("user", "after"),
+        ("assistant", "re:after"),
+    ]
+    assert len(model.requests) == 3  # the committed step was not asked again
+    info = await h.session(sid, "anon")
+    assert info.status == "idle" and info.pending == []
+    events = [e.type for e in await h.store.events(sid, "0-0")]
+    assert events.count("input.requested") == 1 and events.count("input.resolved") == 1
+
+
+async def test_several_gated_calls_are_one_request_event_answered_separately(make_harness: Any) -> None:
+    runs: list[tuple[str, dict[str, Any], str]] = []
+    agent, _ = gated_agent(runs)
+    h = await make_harness(agent)
+    sid = await h.create_session("anon")
+    turn = await h.wait_turn(await h.submit(sid, "anon", "two deletes"), 10)
+    a, b = turn.events[-1]["data"]["requests"]
+    await h.respond(sid, "anon", a["request_id"], "deny", "not that one")
+    info = await h.session(sid, "anon")
+    assert info.status == "waiting" and info.pending == [b]  # still waiting for the second answer
+    assert runs == []
+    first = await h.submit(sid, "anon", "queued while waiting")
+    assert (await h.session(sid, "anon")).queued == 2  # the paused turn's message and this one
+    await h.respond(sid, "anon", b["request_id"], "approve")
+    assert (await h.wait_turn(first, 10)).reply == "re:queued while waiting"
+    assert [r[1] for r in runs] == [{"path": "/b"}]
+    texts = [i.text for i in await h.history(sid, "anon") if i.role == "tool"]
+    assert texts == ["error: a person denied this call: not that one", "deleted /b"]
+
+
+async def test_only_the_calls_the_callable_gates_wait(make_harness: Any) -> None:
+    runs: list[tuple[str, dict[str, Any], str]] = []
+    agent, _ = gated_agent(runs)
+    h = await make_harness(agent)
+    sid = await h.create_session("anon")
+    turn = await h.wait_turn(await h.submit(sid, "anon", "pay both"), 10)
+    (req,) = turn.events[-1]["data"]["requests"]
+    assert req["arguments"] == {"amount": 500}
+    assert runs == []  # the whole step waits, the ungated call too
+    await h.respond(sid, "anon", req["request_id"], "approve")
+    after = await h.wait_turn(await h.submit(sid, "anon", "next"), 10)
+    assert after.status == "completed"
+    assert [r[1] for r in runs] == [{"amount": 5}, {"amount": 500}]
+
+
+async def test_answers_are_recorded_once(make_harness: Any) -> None:
+    runs: list[tuple[str, dict[str, Any], str]] = []
+    agent, _ = gated_agent(runs)
+    h = await make_harness(agent)
+    sid = await h.create_session("anon")
+    other = await h.create_session("anon")
+    turn = await h.wait_turn(await h.submit(sid, "anon", "delete /x"), 10)
+    rid = turn.events[-1]["data"]["requests"][0]["request_id"]
+    with pytest.raises(NotFound) as unknown:
+        await h.respond(sid, "anon", "req_nope", "approve")
+    assert unknown.value.code == "request_not_found"
+    with pytest.raises(NotFound):
+        await h.respond(other, "anon", rid, "approve")  # another session's request
+    with pytest.raises(NotFound):
+        await h.respond(sid, "someone-else", rid, "approve")
+    with pytest.raises(InvalidInput):
+        await h.respond(sid, "anon", rid, "maybe")
+    assert (await h.respond(sid, "anon", rid, "approve")).recorded
+    again = await h.respond(sid, "anon", rid, "approve")
+    assert not again.recorded and again.answer.decision == "approve"
+    with pytest.raises(Conflict) as conflict:
+        await h.respond(sid, "anon", rid, "deny")
+    assert conflict.value.code == "already_answered" and conflict.value.details == {"decision": "approve"}
+    await h.wait_turn(await h.submit(sid, "anon", "next"), 10)
+    assert len(runs) == 1
+    resolved = [e for e in await h.store.events(sid, "0-0") if e.type == "input.resolved"]
+    assert len(resolved) == 1
+
+
+async def test_cancel_withdraws_open_requests_and_closes_every_call(make_harness: Any) -> None:
+    runs: list[tuple[str, dict[str, Any], str]] = []
+    agent, model = gated_agent(runs)
+    h = await make_harness(agent)
+    sid = await h.create_session("anon")
+    turn = await h.wait_turn(await h.submit(sid, "anon", "two deletes"), 10)
+    a, b = turn.events[-1]["data"]["requests"]
+    await h.respond(sid, "anon", a["request_id"], "approve")
+    queued = await h.submit(sid, "anon", "then this")
+    assert await h.cancel(sid, "anon") == turn.events[0]["turn_id"]
+    assert (await h.wait_turn(queued, 10)).reply == "re:then this"
+    assert runs == []
+    events = await h.store.events(sid, "0-0")
+    tail = [(e.type, e.raw) for e in events if e.type in ("input.resolved", "turn.cancelled")]
+    assert [t for t, _ in tail] == ["input.resolved", "input.resolved", "turn.cancelled"]
+    assert b'"decision":"withdrawn"' in tail[1][1] and b["request_id"].encode() in tail[1][1]
+    tools = [i for i in await h.history(sid, "anon") if i.role == "tool"]
+    assert [i.text for i in tools] == ["error: the turn was cancelled; not run"] * 2  # pairs stay whole
+    with pytest.raises(Conflict) as late:
+        await h.respond(sid, "anon", b["request_id"], "approve")
+    assert late.value.details == {"decision": "withdrawn"}
+    with pytest.raises(Conflict) as idle:
+        await h.cancel(sid, "anon")
+    assert idle.value.code == "nothing_to_cancel"
+    assert len(model.requests) == 2
+
+
+async def test_cancel_while_the_model_thinks_ends_the_turn_without_running_its_tools(make_harness: Any) -> None:
+    import asyncio
+
+    thinking, release = asyncio.Event(), asyncio.Event()
+    ran: list[str] = []
+
+    @tool
+    def act() -> str:
+        """Acts."""
+        ran.append("act")
+        return "acted"
+
+    async def script(r: ModelRequest) -> ModelReply:
+        if r.messages[-1].text == "slow":
+            thinking.set()
+            await release.wait()
+            return ModelReply(tool_calls=[ToolCall("act")])
+        return ModelReply(text="ok")
+
+    model = ScriptedModel(script)
+    h = await make_harness(Agent(instructions="t", tools=[act], model=model))
+    sid = await h.create_session("anon")
+    slow = await h.submit(sid, "anon", "slow")
+    await asyncio.wait_for(thinking.wait(), 5)
+    await h.cancel(sid, "anon")
+    release.set()
+    turn = await h.wait_turn(slow, 10)
+    assert turn.status == "cancelled"
+    assert ran == []
+    history = await h.history(sid, "anon")
+    assert [(i.role, i.text) for i in history] == [
+        ("user", "slow"),
+        ("assistant", ""),
+        ("tool", "error: the turn was cancelled; not run"),
+    ]
+    info = await h.session(sid, "anon")
+    assert info.status == "idle" and info.usage["model_calls"] == 1  # the cancelled attempt is accounted
+    assert (await h.wait_turn(await h.submit(sid, "anon", "next"), 10)).status == "completed"
