@@ -12,6 +12,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from channels.http import harness_of, owner_of
+from harness import failpoints
 from harness.ids import stream_key
 from harness.service import check_event_id
 
@@ -34,5 +35,6 @@ async def stream_events(request: Request) -> Response:
                 yield b": keep-alive\n\n"
             else:
                 yield b"id: %s\nevent: %s\ndata: %s\n\n" % (event.id.encode(), event.type.encode(), event.raw)
+                failpoints.reached("outbox.after_publish")
 
     return StreamingResponse(body(), media_type="text/event-stream", headers=HEADERS)

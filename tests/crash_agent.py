@@ -1,0 +1,37 @@
+"""The agent crash tests run inside `python -m app` (KEEL_AGENT=tests.crash_agent:agent). It
+writes every model call and every tool run as a JSON line to $KEEL_TEST_LOG, so a test can count
+them across processes that die."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from harness import Agent, ToolContext, tool
+from harness.models import ModelReply, ModelRequest, ScriptedModel, ToolCall, Usage
+
+
+def log(record: dict[str, object]) -> None:
+    with open(os.environ["KEEL_TEST_LOG"], "a") as f:  # one write of one line: whole or nothing
+        f.write(json.dumps(record) + "\n")
+
+
+@tool(approval=True)
+def charge(amount: int, ctx: ToolContext) -> str:
+    """Charge the card (an outside effect, deduplicated by ctx.call_id)."""
+    log({"tool": "charge", "call_id": ctx.call_id, "amount": amount})
+    return f"charged {amount}"
+
+
+def script(request: ModelRequest) -> ModelReply:
+    log({"model": request.step, "turn": request.turn_id})
+    last = request.messages[-1]
+    usage = Usage(input_tokens=10, output_tokens=1)
+    if last.role == "user" and last.text.startswith("pay "):
+        return ModelReply(tool_calls=[ToolCall("charge", {"amount": int(last.text[4:])})], usage=usage)
+    if last.role == "tool":
+        return ModelReply(text=f"done: {last.text}", usage=usage)
+    return ModelReply(text=f"re: {last.text}", usage=usage)
+
+
+agent = Agent(instructions="You charge cards when asked.", tools=[charge], model=ScriptedModel(script, keep=0))
