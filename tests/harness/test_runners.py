@@ -1,0 +1,57 @@
+"""One writer per session (I4): runners that race for a session never both run or commit it."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from typing import Any
+
+import pytest
+
+from harness import Agent
+from harness.errors import StaleLease
+from harness.models import ModelReply, ModelRequest, ScriptedModel
+from harness.store import Begun, Busy
+
+
+async def test_racing_begins_let_exactly_one_runner_in(make_harness: Any) -> None:
+    agent = Agent(instructions="t", model=ScriptedModel(lambda r: ModelReply(text="x")))
+    one = await make_harness(agent, run_turns=False)
+    two = await make_harness(agent, run_turns=False)
+    sid = await one.create_session("anon")
+    for n in range(30):
+        await one.submit(sid, "anon", f"m{n}")
+        a, b = await asyncio.gather(one.store.begin(sid, "", 5_000), two.store.begin(sid, "", 5_000))
+        winners = [x for x in (a, b) if isinstance(x, Begun)]
+        assert len(winners) == 1 and any(isinstance(x, Busy) for x in (a, b))
+        winner = winners[0]
+        with pytest.raises(StaleLease):  # a made-up (or older) token commits nothing
+            await two.store.commit(sid, str(int(winner.fence) - 1), winner.message.turn_id, [], [], mode="final")
+        await one.store.commit(sid, winner.fence, winner.message.turn_id, [], [], mode="final")
+    assert await one.store.queued(sid) == 0
+
+
+async def test_two_processes_running_one_session_never_overlap(make_harness: Any) -> None:
+    inside = 0
+    most = 0
+    rng = random.Random(7)
+
+    async def script(r: ModelRequest) -> ModelReply:
+        nonlocal inside, most
+        inside += 1
+        most = max(most, inside)
+        await asyncio.sleep(rng.random() / 200)  # a model that takes a moment, so runners can collide
+        inside -= 1
+        return ModelReply(text=f"re:{r.messages[-1].text}")
+
+    model = ScriptedModel(script)
+    one = await make_harness(Agent(instructions="t", model=model))
+    two = await make_harness(Agent(instructions="t", model=model))
+    sid = await one.create_session("anon")
+    sent = [await (one, two)[n % 2].submit(sid, "anon", f"m{n}") for n in range(20)]
+    for res in sent:
+        assert (await one.wait_turn(res, 20)).status == "completed"
+    assert most == 1
+    texts = [i.text for i in await one.history(sid, "anon")]
+    assert texts == [x for n in range(20) for x in (f"m{n}", f"re:m{n}")]
+    assert len(model.requests) == 20
