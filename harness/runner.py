@@ -216,6 +216,8 @@ class Runner:
             outcome = await TurnRunner(self.store, self.agent, sid, begun, self.publish).run()
         finally:
             renewal.cancel()
+        if not isinstance(outcome, Final):
+            await self.store.release(sid, begun.fence)  # paused: not ours to hold (a no-op if already let go)
         return isinstance(outcome, Final) and outcome.more
 
 

@@ -77,6 +77,8 @@ class TurnRunner:
         self.turn_items: list[Item] = [i for i in begun.turn_items if i.kind != "message" or i.role != "user"]
         self.user_committed = len(begun.turn_items) > 0
         self._publish = publish
+        # requests of this turn with no answer: those BEGIN found, and any this run commits
+        self.open_requests = [rid for rid, answer in begun.answers.items() if answer is None]
 
     async def run(self) -> Outcome:
         if self.begun.cancel:
@@ -154,6 +156,7 @@ class TurnRunner:
             mode = "final"
         failpoints.reached("step.before_commit")
         committed = await self._commit(items, events, mode=mode, requests=requests, after="step.after_commit")
+        self.open_requests += [r.request_id for r in requests]
         self.user_committed = True
         self.turn_items.append(item)
         if mode == "final":
@@ -245,7 +248,7 @@ class TurnRunner:
         answered with an error result (a tool call is never left without its result)."""
         items: list[Item] = [] if self.user_committed else [user_item(self.message)]
         events: list[tuple[str, bytes]] = []
-        withdrawn = [(rid, Answer("withdrawn")) for rid, answer in self.begun.answers.items() if answer is None]
+        withdrawn = [(rid, Answer("withdrawn")) for rid in self.open_requests]
         for rid, _ in withdrawn:
             data = {"request_id": rid, "decision": "withdrawn", "reason": "the turn was cancelled"}
             events.append(self._event("input.resolved", data))

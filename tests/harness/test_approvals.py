@@ -210,3 +210,42 @@ async def test_cancel_while_the_model_thinks_ends_the_turn_without_running_its_t
     info = await h.session(sid, "anon")
     assert info.status == "idle" and info.usage["model_calls"] == 1  # the cancelled attempt is accounted
     assert (await h.wait_turn(await h.submit(sid, "anon", "next"), 10)).status == "completed"
+
+
+async def test_cancel_during_a_step_that_asks_for_approval_withdraws_what_it_asked(make_harness: Any) -> None:
+    import asyncio
+
+    thinking, release = asyncio.Event(), asyncio.Event()
+    ran: list[str] = []
+
+    @tool(approval=True)
+    def launch() -> str:
+        """Launch."""
+        ran.append("launch")
+        return "launched"
+
+    async def script(r: ModelRequest) -> ModelReply:
+        if r.messages[-1].text != "go":
+            return ModelReply(text="ok")
+        thinking.set()
+        await release.wait()
+        return ModelReply(tool_calls=[ToolCall("launch")])
+
+    h = await make_harness(Agent(instructions="t", tools=[launch], model=ScriptedModel(script)))
+    sid = await h.create_session("anon")
+    await h.submit(sid, "anon", "go")
+    await asyncio.wait_for(thinking.wait(), 5)
+    await h.cancel(sid, "anon")
+    after = await h.submit(sid, "anon", "after")  # runs once the cancelled turn has ended
+    release.set()
+    assert (await h.wait_turn(after, 10)).status == "completed"
+    assert [e.type for e in await h.store.events(sid, "0-0")].count("turn.cancelled") == 1
+    events = await h.store.events(sid, "0-0")
+    requested = next(e for e in events if e.type == "input.requested")
+    rid = requested.raw.split(b'"request_id":"')[1].split(b'"')[0].decode()
+    resolved = [e.raw for e in events if e.type == "input.resolved"]
+    assert len(resolved) == 1 and b'"decision":"withdrawn"' in resolved[0]
+    with pytest.raises(Conflict) as late:
+        await h.respond(sid, "anon", rid, "approve")
+    assert late.value.details == {"decision": "withdrawn"}
+    assert ran == [] and (await h.session(sid, "anon")).pending == []
