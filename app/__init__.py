@@ -8,13 +8,15 @@ import logging
 from collections.abc import AsyncIterator
 
 from redis.asyncio import Redis
+from redis.exceptions import RedisError
+from redis.maint_notifications import MaintNotificationsConfig
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 
 from app.settings import Settings
 from channels.auth import ApiKeyAuth
-from channels.errors import http_error_handler, keel_error_handler
+from channels.errors import http_error_handler, keel_error_handler, redis_error_handler
 from channels.http import routes
 from harness import Agent, Harness
 from harness.errors import KeelError
@@ -36,7 +38,14 @@ def load_agent(spec: str) -> Agent:
 
 
 def redis_client(url: str) -> Redis:
-    return Redis.from_url(url, max_connections=512, health_check_interval=30)
+    # Maintenance notifications off: redis-py 8.1's default ("auto") skips the liveness check of
+    # pooled connections, so after a Redis restart every old connection failed once, as a 5xx.
+    return Redis.from_url(
+        url,
+        max_connections=512,
+        health_check_interval=30,
+        maint_notifications_config=MaintNotificationsConfig(enabled=False),
+    )
 
 
 def create_app(
@@ -70,7 +79,11 @@ def create_app(
     app = Starlette(
         routes=routes(),
         middleware=[Middleware(ApiKeyAuth, keys=settings.api_keys)],
-        exception_handlers={KeelError: keel_error_handler, HTTPException: http_error_handler},
+        exception_handlers={
+            KeelError: keel_error_handler,
+            HTTPException: http_error_handler,
+            RedisError: redis_error_handler,
+        },
         lifespan=lifespan,
     )
     app.state.max_body = settings.max_body

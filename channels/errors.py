@@ -59,3 +59,11 @@ async def http_error_handler(request: Request, exc: Exception) -> Response:
     return error_response(
         exc.status_code, _HTTP_CODES.get(exc.status_code, "http_error"), str(exc.detail), headers=exc.headers
     )
+
+
+async def redis_error_handler(request: Request, exc: Exception) -> Response:
+    """Redis unreachable for a moment: a 503 the client can retry (a repeated message_id or
+    answer is safe), with Retry-After, rather than an opaque 500."""
+    return error_response(
+        503, "unavailable", f"storage is unavailable: {type(exc).__name__}; retry", headers={"Retry-After": "1"}
+    )
