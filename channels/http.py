@@ -14,7 +14,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from channels.errors import ChannelError, error_response
-from channels.types import create_session_decoder, respond_decoder, send_message_decoder
+from channels.types import cancel_decoder, create_session_decoder, respond_decoder, send_message_decoder
 from harness import Harness
 from harness.types import Item
 
@@ -133,8 +133,8 @@ async def respond(request: Request) -> Response:
 
 async def cancel(request: Request) -> Response:
     sid = request.path_params["sid"]
-    await read_body(request)  # no body expected; any is ignored, within the size limit
-    turn_id = await harness_of(request).cancel(sid, owner_of(request))
+    body = decode(cancel_decoder, await read_body(request), empty_ok=True)
+    turn_id = await harness_of(request).cancel(sid, owner_of(request), body.turn_id)
     return json_response({"session_id": sid, "turn_id": turn_id}, 202)
 
 

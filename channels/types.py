@@ -26,6 +26,11 @@ class Respond(msgspec.Struct, forbid_unknown_fields=True):
     reason: str = ""
 
 
+class Cancel(msgspec.Struct, forbid_unknown_fields=True):
+    turn_id: str | None = None
+
+
 create_session_decoder = msgspec.json.Decoder(CreateSession)
+cancel_decoder = msgspec.json.Decoder(Cancel)
 respond_decoder = msgspec.json.Decoder(Respond)
 send_message_decoder = msgspec.json.Decoder(SendMessage)

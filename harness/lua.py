@@ -69,7 +69,7 @@ if not head then return {'empty'} end
 local m = cjson.decode(head)
 local cancel = redis.call('HGET', KEYS[1], 'cancel') == m.turn_id
 if redis.call('HGET', KEYS[1], 'status') == 'waiting' and not cancel
-   and tonumber(redis.call('HGET', KEYS[1], 'undecided')) > 0 then
+   and tonumber(redis.call('HGET', KEYS[1], 'undecided') or 0) > 0 then
   return {'waiting'}
 end
 local holder = redis.call('GET', KEYS[3])
@@ -96,7 +96,7 @@ local turn_start = tonumber(redis.call('HGET', KEYS[1], 'turn_start'))
 local from = start
 local have = tonumber(ARGV[6])
 if tonumber(ARGV[5]) == start and start + have <= redis.call('LLEN', KEYS[4]) then from = start + have end
-local waiting_on = redis.call('HGET', KEYS[1], 'waiting_on')
+local waiting_on = redis.call('HGET', KEYS[1], 'waiting_on') or ''
 local decisions = {}
 for rid in string.gmatch(waiting_on, '%S+') do
   decisions[#decisions + 1] = rid
@@ -111,9 +111,11 @@ return {'ok', fence, head, turn_start - start, redis.call('HGETALL', KEYS[5]),
 # the turn (the message leaves the inbox; the lease is released if the inbox is empty, else
 # kept for the next turn); '2' a pause for approval (requests stored, status waiting, lease
 # released). Any mode reports whether a cancel was asked for this turn ('2' then does not pause).
+# Answers the harness gives itself (withdrawn requests of a cancelled turn) never replace one
+# already recorded; each one that is set emits its input.resolved.
 # KEYS: meta, lease, history, outbox, inbox, pending, decisions.
 # ARGV: fence, turn_id, retention, mode, waiting_on, n_items, items..., n_requests,
-#       (request_id, json)..., n_decisions, (request_id, json)..., then (type, body) pairs
+#       (request_id, json)..., n_answers, (request_id, json, event_body)..., then (type, body) pairs
 COMMIT = (
     _EMIT
     + """
@@ -129,20 +131,27 @@ n = tonumber(ARGV[i])
 for j = i + 1, i + 2 * n, 2 do redis.call('HSET', KEYS[6], ARGV[j], ARGV[j + 1]) end
 i = i + 2 * n + 1
 n = tonumber(ARGV[i])
-for j = i + 1, i + 2 * n, 2 do redis.call('HSET', KEYS[7], ARGV[j], ARGV[j + 1]) end
-i = i + 2 * n + 1
 local ids = {}
+for j = i + 1, i + 3 * n, 3 do
+  if redis.call('HSETNX', KEYS[7], ARGV[j], ARGV[j + 1]) == 1 then
+    ids[#ids + 1] = emit(KEYS[1], KEYS[4], ARGV[3], 'input.resolved', ARGV[j + 2])
+  end
+end
+i = i + 3 * n + 1
 for j = i, #ARGV, 2 do
   ids[#ids + 1] = emit(KEYS[1], KEYS[4], ARGV[3], ARGV[j], ARGV[j + 1])
 end
 local mode = ARGV[4]
 local cancel = redis.call('HGET', KEYS[1], 'cancel') == ARGV[2] and '1' or ''
-if mode == '2' and cancel == '' then
+if mode == '2' then
   local count = 0
   for _ in string.gmatch(ARGV[5], '%S+') do count = count + 1 end
-  redis.call('HSET', KEYS[1], 'status', 'waiting', 'waiting_on', ARGV[5], 'undecided', count)
-  redis.call('DEL', KEYS[2])
-  return {'paused', ids, length, cancel}
+  redis.call('HSET', KEYS[1], 'waiting_on', ARGV[5], 'undecided', count)
+  if cancel == '' then
+    redis.call('HSET', KEYS[1], 'status', 'waiting')
+    redis.call('DEL', KEYS[2])
+    return {'paused', ids, length, cancel}
+  end
 end
 if mode == '1' then
   redis.call('LPOP', KEYS[5])
@@ -182,12 +191,14 @@ local request = redis.call('HGET', KEYS[2], ARGV[2])
 if not request then return {'unknown'} end
 local prev = redis.call('HGET', KEYS[3], ARGV[2])
 if prev then return {'answered', prev} end
+local turn_id = cjson.decode(request).turn_id
+if redis.call('HGET', KEYS[1], 'cancel') == turn_id then return {'answered', '{"decision":"withdrawn"}'} end
 redis.call('HSET', KEYS[3], ARGV[2], ARGV[3])
-local turn = cjson.encode(cjson.decode(request).turn_id)
+local turn = cjson.encode(turn_id)
 local body = '"turn_id":' .. turn .. ',"at":' .. ARGV[5] .. ',"data":' .. ARGV[6] .. '}'
 local id = emit(KEYS[1], KEYS[4], ARGV[4], 'input.resolved', body)
 local left = -1
-if string.find(' ' .. redis.call('HGET', KEYS[1], 'waiting_on') .. ' ', ' ' .. ARGV[2] .. ' ', 1, true) then
+if string.find(' ' .. (redis.call('HGET', KEYS[1], 'waiting_on') or '') .. ' ', ' ' .. ARGV[2] .. ' ', 1, true) then
   left = redis.call('HINCRBY', KEYS[1], 'undecided', -1)
   if left <= 0 and redis.call('HGET', KEYS[1], 'status') == 'waiting' then
     redis.call('HSET', KEYS[1], 'status', 'running')
@@ -197,17 +208,19 @@ return {'ok', id, left}
 """
 )
 
-# Asks the turn in progress (or, if none began yet, the next queued message's turn) to end.
-# The runner that holds (or next takes) the session finishes it. KEYS: meta, inbox. ARGV: owner
+# Asks the turn in progress (or, if none began yet, the next queued message's turn) to end;
+# with a turn id, only that turn. The runner that holds (or next takes) the session finishes it.
+# KEYS: meta, inbox. ARGV: owner, turn_id ('' for whichever is current)
 CANCEL = """
 local owner = redis.call('HGET', KEYS[1], 'owner')
 if not owner or owner ~= ARGV[1] then return {'missing'} end
-local turn = redis.call('HGET', KEYS[1], 'turn')
+local turn = redis.call('HGET', KEYS[1], 'turn') or ''
 if turn == '' then
   local head = redis.call('LINDEX', KEYS[2], 0)
   if not head then return {'idle'} end
   turn = cjson.decode(head).turn_id
 end
+if ARGV[2] ~= '' and ARGV[2] ~= turn then return {'idle'} end
 redis.call('HSET', KEYS[1], 'cancel', turn)
 return {'ok', turn}
 """

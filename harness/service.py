@@ -31,6 +31,7 @@ TERMINAL = {
     "input.requested": "waiting",
 }
 MAX_REASON = 2_000
+EVENT_BATCH = 200
 
 
 def check_session_id(sid: str) -> str:
@@ -146,12 +147,15 @@ class Harness:
             await self._wake(sid)  # a repeat: the first one may have died before it woke the turn
         return res
 
-    async def cancel(self, sid: str, owner: str) -> str:
-        """End the turn in progress (or the next queued one). Returns its turn id."""
+    async def cancel(self, sid: str, owner: str, turn_id: str | None = None) -> str:
+        """End the turn in progress (or the next queued one), or only `turn_id` if given (so a
+        repeated cancel cannot end the turn after it). Returns the turn id."""
         check_session_id(sid)
-        turn_id = await self.store.cancel(sid, owner)
-        if turn_id is None:
-            raise Conflict("there is no turn to cancel", code="nothing_to_cancel")
+        cancelled = await self.store.cancel(sid, owner, turn_id or "")
+        if cancelled is None:
+            what = f"turn {turn_id} is not in progress" if turn_id else "there is no turn to cancel"
+            raise Conflict(what, code="nothing_to_cancel")
+        turn_id = cancelled
         await self._wake(sid)
         return turn_id
 
@@ -242,26 +246,35 @@ class Harness:
     async def _collect(
         self, result: SubmitResult, watch: Watch, after: str, timeout: float, *, read_first: bool
     ) -> TurnResult:
+        """The turn's events from its message on, until the turn's newest event settles it: a
+        turn.* event, or an input.requested with nothing after it (so asking again later about
+        a turn that paused and then finished reports how it finished)."""
         sid = result.session_id
         events: list[dict[str, Any]] = []
         marker = b'"turn_id":"' + result.turn_id.encode() + b'"'
 
         async def collect() -> TurnResult:
-            async for entry in self._follow(sid, watch, after, min(timeout, 5.0), read_first=read_first):
-                if entry is None or marker not in entry.raw:
-                    continue
-                event = decode_data(entry.raw)
-                events.append(event)
-                status = TERMINAL.get(entry.type)
-                if status is not None:
-                    return TurnResult(
-                        session_id=sid,
-                        message_id=result.message_id,
-                        status=status,  # type: ignore[arg-type]
-                        reply=event["data"].get("reply"),
-                        events=events,
-                    )
-            raise AssertionError("unreachable")
+            position, read = after, read_first
+            while True:
+                if read:
+                    batch = await self.store.events(sid, position, count=EVENT_BATCH)
+                    if batch:
+                        position = watch.seen = batch[-1].id
+                    events.extend(decode_data(e.raw) for e in batch if marker in e.raw)
+                    if len(batch) == EVENT_BATCH:
+                        continue  # read everything there is before judging the newest event
+                    status = TERMINAL.get(events[-1]["type"]) if events else None
+                    if status is not None:
+                        reply = events[-1]["data"].get("reply")
+                        return TurnResult(
+                            session_id=sid,
+                            message_id=result.message_id,
+                            status=status,  # type: ignore[arg-type]
+                            reply=reply,
+                            events=events,
+                        )
+                await watch.wait(min(timeout, 5.0))  # woken, or a periodic look in case a wake-up was lost
+                read = True
 
         try:
             return await asyncio.wait_for(collect(), timeout)

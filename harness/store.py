@@ -227,7 +227,8 @@ class Store:
             args += (r.request_id, _enc.encode(r))
         args.append(len(answers))
         for rid, answer in answers:
-            args += (rid, _enc.encode(answer))
+            data = {"request_id": rid, "decision": answer.decision, "reason": answer.reason}
+            args += (rid, _enc.encode(answer), event_body(turn_id, data))
         for etype, body in events:
             args += (etype, body)
         res = await self._commit(
@@ -243,15 +244,18 @@ class Store:
             cancel=res[3] == b"1",
         )
 
-    async def record_usage(self, sid: str, turn_id: str, step: int, usage: Usage) -> str:
-        """Account one provider attempt, before its step commits (I5). Returns the event id."""
+    async def record_usage(self, sid: str, turn_id: str, step: int, usage: Usage, *, failed: bool = False) -> str:
+        """Account one provider attempt, before its step commits (I5); a failed attempt too.
+        Returns the event id."""
         k = SessionKeys(sid)
-        data = {
+        data: dict[str, Any] = {
             "step": step,
             "input_tokens": usage.input_tokens,
             "output_tokens": usage.output_tokens,
             "cached_tokens": usage.cached_tokens,
         }
+        if failed:
+            data["failed"] = True
         args: list[int | bytes] = [self.retention, usage.input_tokens, usage.output_tokens, usage.cached_tokens]
         args.append(event_body(turn_id, data))
         eid: bytes = await self._usage(keys=[k.meta, k.outbox], args=args)
@@ -296,10 +300,11 @@ class Store:
             requests, answers = await pipe.execute()
         return [request_decoder.decode(r) for r, a in zip(requests, answers, strict=True) if r and not a]
 
-    async def cancel(self, sid: str, owner: str) -> str | None:
-        """Ask the current (or next) turn to end. Returns its turn id; None if there is none."""
+    async def cancel(self, sid: str, owner: str, turn_id: str = "") -> str | None:
+        """Ask the current (or next) turn, or only `turn_id`, to end. Returns the turn id; None
+        if there is no such turn."""
         k = SessionKeys(sid)
-        res = await self._cancel(keys=[k.meta, k.inbox], args=[owner])
+        res = await self._cancel(keys=[k.meta, k.inbox], args=[owner, turn_id])
         if res[0] == b"missing":
             raise NotFound(f"no session {sid}", code="session_not_found")
         return None if res[0] == b"idle" else res[1].decode()

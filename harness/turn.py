@@ -58,6 +58,9 @@ Outcome = Final | Paused
 StepOutcome = Final | Paused | RunTools | Cancel
 
 
+_APPROVED = Answer("approve")
+
+
 def request_id(call_id: str) -> str:
     """A call's approval request id: derived from the committed call id, so it is the same
     after any crash or retry (I2, I3)."""
@@ -127,13 +130,16 @@ class TurnRunner:
             raise
         except Exception as exc:
             log.warning("session %s turn %s: model failed: %s", self.sid, self.turn_id, type(exc).__name__)
+            await self.store.record_usage(self.sid, self.turn_id, step, Usage(), failed=True)  # it may be billed
             return await self.fail("model_error", f"the model call failed: {type(exc).__name__}: {exc}")
         # The attempt is accounted before its step commits: a retried step shows both (I5).
         await self.store.record_usage(self.sid, self.turn_id, step, reply.usage or Usage())
         return await self._commit_reply(reply)
 
     async def _commit_reply(self, reply: ModelReply) -> StepOutcome:
-        calls = tuple(c if c.id else ToolCall(c.name, c.arguments, new_id("call")) for c in reply.tool_calls)
+        # keel's own call ids, always: a provider's may repeat (call_0 in every response), and the
+        # id is the request id's root and the tools' idempotency key.
+        calls = tuple(ToolCall(c.name, c.arguments, new_id("call")) for c in reply.tool_calls)
         item = Item(id=new_id("it"), role="assistant", text=reply.text, turn_id=self.turn_id, tool_calls=calls)
         items = [] if self.user_committed else [user_item(self.message)]
         items.append(item)
@@ -189,7 +195,8 @@ class TurnRunner:
         if any(request_id(c.id or "") in answers for c in todo):
             if any(answers.get(request_id(c.id or ""), False) is None for c in todo):
                 return Paused()  # cannot happen (BEGIN waits for every answer); never run unanswered
-            committed = await self._commit([], self._tool_started(todo))
+            will_run = [c for c in todo if (answers.get(request_id(c.id or "")) or _APPROVED).decision == "approve"]
+            committed = await self._commit([], self._tool_started(will_run))
             if committed.cancel:
                 return Cancel()
         for call in todo:
@@ -248,10 +255,8 @@ class TurnRunner:
         answered with an error result (a tool call is never left without its result)."""
         items: list[Item] = [] if self.user_committed else [user_item(self.message)]
         events: list[tuple[str, bytes]] = []
-        withdrawn = [(rid, Answer("withdrawn")) for rid in self.open_requests]
-        for rid, _ in withdrawn:
-            data = {"request_id": rid, "decision": "withdrawn", "reason": "the turn was cancelled"}
-            events.append(self._event("input.resolved", data))
+        # (each emits input.resolved if, and only if, it is not already answered)
+        withdrawn = [(rid, Answer("withdrawn", "the turn was cancelled")) for rid in self.open_requests]
         pending = self._unfinished_calls()
         if pending is not None:
             done = {i.tool_call_id for i in self.turn_items if i.role == "tool"}

@@ -249,3 +249,118 @@ async def test_cancel_during_a_step_that_asks_for_approval_withdraws_what_it_ask
         await h.respond(sid, "anon", rid, "approve")
     assert late.value.details == {"decision": "withdrawn"}
     assert ran == [] and (await h.session(sid, "anon")).pending == []
+
+
+async def test_provider_call_ids_that_repeat_do_not_collide(make_harness: Any) -> None:
+    """Providers that number calls per response (call_0 every time) must not make a later call
+    look answered or done: keel mints its own call ids."""
+    ran: list[int] = []
+
+    @tool(approval=True)
+    def pay(amount: int) -> str:
+        """Pay."""
+        ran.append(amount)
+        return f"paid {amount}"
+
+    def script(r: ModelRequest) -> ModelReply:
+        last = r.messages[-1]
+        if last.role == "user" and last.text.isdigit():
+            return ModelReply(tool_calls=[ToolCall("pay", {"amount": int(last.text)}, id="call_0")] * 2)
+        return ModelReply(text="ok")
+
+    h = await make_harness(Agent(instructions="t", tools=[pay], model=ScriptedModel(script)))
+    sid = await h.create_session("anon")
+    for amount in (5, 5000):
+        turn = await h.wait_turn(await h.submit(sid, "anon", str(amount)), 10)
+        requests = turn.events[-1]["data"]["requests"]
+        assert len({r["request_id"] for r in requests}) == 2
+        for r in requests:
+            await h.respond(sid, "anon", r["request_id"], "approve")
+        assert (await h.wait_turn(await h.submit(sid, "anon", "-"), 10)).status == "completed"
+    assert ran == [5, 5, 5000, 5000]
+
+
+async def test_an_answer_and_a_cancel_racing_never_overwrite_each_other(make_harness: Any) -> None:
+    runs: list[tuple[str, dict[str, Any], str]] = []
+    agent, _ = gated_agent(runs)
+    h = await make_harness(agent, run_turns=False)  # nobody finishes the cancel: the race window stays open
+    sid = await h.create_session("anon")
+    await h.submit(sid, "anon", "delete /x")
+    from harness.turn import TurnRunner
+
+    begun = await h.store.begin(sid, "", 5_000)
+    await TurnRunner(h.store, agent, sid, begun, lambda *a: None).run()  # pauses with one request
+    rid = (await h.session(sid, "anon")).pending[0]["request_id"]
+    turn_id = await h.cancel(sid, "anon")
+    with pytest.raises(Conflict) as refused:  # the cancel is on its way: the request takes no answer
+        await h.respond(sid, "anon", rid, "approve")
+    assert refused.value.details == {"decision": "withdrawn"}
+    with pytest.raises(Conflict):  # a cancel for a turn that is not the current one does nothing
+        await h.cancel(sid, "anon", "turn_someotherturn")
+    assert await h.cancel(sid, "anon", turn_id) == turn_id  # repeating the same cancel is fine
+    begun = await h.store.begin(sid, "", 5_000)
+    await TurnRunner(h.store, agent, sid, begun, lambda *a: None).run()
+    resolved = [e.raw for e in await h.store.events(sid, "0-0") if e.type == "input.resolved"]
+    assert len(resolved) == 1 and b'"withdrawn"' in resolved[0]
+    assert runs == []
+
+
+async def test_asking_again_about_a_turn_that_paused_reports_how_it_ended(make_harness: Any) -> None:
+    runs: list[tuple[str, dict[str, Any], str]] = []
+    agent, _ = gated_agent(runs)
+    h = await make_harness(agent)
+    sid = await h.create_session("anon")
+    first = await h.submit_and_wait(sid, "anon", "delete /y", context=None, message_id="m1", timeout=10)
+    assert first.status == "waiting"
+    await h.respond(sid, "anon", first.events[-1]["data"]["requests"][0]["request_id"], "approve")
+    await h.wait_turn(await h.submit(sid, "anon", "after"), 10)
+    again = await h.submit_and_wait(sid, "anon", "delete /y", context=None, message_id="m1", timeout=10)
+    assert again.status == "completed" and again.reply == "deleted /y"
+
+
+async def test_a_crash_between_a_cancelled_pause_and_its_cancellation_still_withdraws(
+    make_harness: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import asyncio
+
+    from harness.turn import TurnRunner
+
+    thinking, release = asyncio.Event(), asyncio.Event()
+
+    @tool(approval=True)
+    def launch() -> str:
+        """Launch."""
+        return "launched"
+
+    async def script(r: ModelRequest) -> ModelReply:
+        if r.messages[-1].text != "go":
+            return ModelReply(text="ok")
+        thinking.set()
+        await release.wait()
+        return ModelReply(tool_calls=[ToolCall("launch")])
+
+    real_cancel = TurnRunner.cancel
+    crashes = []
+
+    async def dying_cancel(self: TurnRunner) -> Any:
+        if not crashes:  # the first runner "dies" here: after the pause commit, before the cancel commit
+            crashes.append(1)
+            raise RuntimeError("process died")
+        return await real_cancel(self)
+
+    monkeypatch.setattr(TurnRunner, "cancel", dying_cancel)
+    h = await make_harness(Agent(instructions="t", tools=[launch], model=ScriptedModel(script)), lease_ms=500)
+    sid = await h.create_session("anon")
+    await h.submit(sid, "anon", "go")
+    await asyncio.wait_for(thinking.wait(), 5)
+    await h.cancel(sid, "anon")
+    after = await h.submit(sid, "anon", "after")
+    release.set()
+    assert (await h.wait_turn(after, 15)).status == "completed"  # the reclaimed job finished the cancel
+    events = await h.store.events(sid, "0-0")
+    rid = next(e for e in events if e.type == "input.requested").raw.split(b'"request_id":"')[1].split(b'"')[0]
+    resolved = [e.raw for e in events if e.type == "input.resolved"]
+    assert len(resolved) == 1 and rid in resolved[0] and b'"withdrawn"' in resolved[0]
+    with pytest.raises(Conflict):
+        await h.respond(sid, "anon", rid.decode(), "approve")
+    assert crashes == [1]

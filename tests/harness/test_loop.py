@@ -54,8 +54,9 @@ async def test_tool_loop_runs_tools_and_commits_pairs_in_order(make_harness: Any
         ("tool", "42"),
         ("assistant", "answer 42"),
     ]
-    assert history[1].tool_calls[0].id == history[2].tool_call_id == "c1"
-    assert seen_ctx == [ToolContext(session_id=sid, turn_id=turn.events[0]["turn_id"], call_id="c1")]
+    call_id = history[1].tool_calls[0].id
+    assert call_id == history[2].tool_call_id and call_id != "c1"  # keel's own id, not the model's
+    assert seen_ctx == [ToolContext(session_id=sid, turn_id=turn.events[0]["turn_id"], call_id=call_id)]
     seqs = [e["seq"] for e in turn.events]
     assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
 
@@ -113,6 +114,7 @@ async def test_a_model_error_fails_the_turn_and_the_session_goes_on(make_harness
     sid = await h.create_session("anon")
     bad = await h.wait_turn(await h.submit(sid, "anon", "explode"), 10)
     assert bad.status == "failed"
+    assert (await h.session(sid, "anon")).usage["model_calls"] == 1  # the failed attempt may be billed: counted
     assert bad.events[-1]["data"]["error"] == {
         "code": "model_error",
         "message": "the model call failed: ConnectionError: provider down",
