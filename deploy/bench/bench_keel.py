@@ -1,0 +1,97 @@
+"""keel's harness in-process on the peers' turn workload (../shared/bench/peers/common.py).
+
+    python3 ../shared/bench/peers/run.py --with deploy/bench/bench_keel.py --python .venv/bin/python
+    KEEL_BENCH_VARIANT=tool ...   (or: .venv/bin/python deploy/bench/bench_keel.py --variant tool --port P)
+
+One turn is what a channel does for `POST .../messages?wait=true`, without HTTP: the message is
+recorded with its event, the job queued, the runner leases the session, the zero-latency model
+answers, the reply and its events are committed, and the waiter reads them from the outbox.
+Variants: plain; tool (one tool call per turn); long (a 1,000-turn session: compare the first
+and last 100 turns' p50).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+from redis.asyncio import Redis
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # keel's packages, when run from anywhere
+
+import common  # type: ignore[import-not-found]  # the peers' harness (run.py puts its folder on PYTHONPATH)
+
+from app import redis_client
+from harness import Agent, Harness, tool
+from harness.models import ModelReply, ModelRequest, ScriptedModel, ToolCall, Usage
+
+USAGE = Usage(input_tokens=100, output_tokens=1)
+
+
+@tool
+def add(a: int, b: int) -> int:
+    """Add two integers."""
+    return a + b
+
+
+def plain(request: ModelRequest) -> ModelReply:
+    return ModelReply(text="hi there", usage=USAGE)
+
+
+def with_tool(request: ModelRequest) -> ModelReply:
+    if request.messages[-1].role == "tool":
+        return ModelReply(text="hi there", usage=USAGE)
+    return ModelReply(tool_calls=[ToolCall("add", {"a": 1, "b": 2})], usage=USAGE)
+
+
+async def setup(args: Any) -> Any:
+    variant = os.environ.get("KEEL_BENCH_VARIANT") or args.variant
+    if variant == "long":
+        common.SEQ_TURNS = 1_000
+    ctx = types.SimpleNamespace()
+    ctx.redis = redis_client(f"redis://127.0.0.1:{args.port}")
+    await ctx.redis.flushall()
+    fn = with_tool if variant == "tool" else plain
+    agent = Agent(instructions="You are a test agent.", tools=[add], model=ScriptedModel(fn, keep=0))
+    ctx.harness = Harness(ctx.redis, agent)
+    await ctx.harness.start()
+    return ctx
+
+
+async def make_session(ctx: Any, sid: str) -> str:
+    session: str = await ctx.harness.create_session("bench")
+    return session
+
+
+async def turn(ctx: Any, s: str, i: int) -> None:
+    res = await ctx.harness.submit_and_wait(s, "bench", "hello", context=None, message_id=None, timeout=30)
+    assert res.status == "completed" and res.reply == "hi there", res
+
+
+async def verify(ctx: Any, s: str, sessions: list[str]) -> dict[str, Any]:
+    redis: Redis = ctx.redis
+    return {
+        "check_seq_items": len(await ctx.harness.history(s, "bench")),
+        "check_conc_items": len(await ctx.harness.history(sessions[0], "bench")),
+        "check_jobs_left": await redis.xlen("keel:{jobs}:stream"),
+    }
+
+
+async def teardown(ctx: Any) -> None:
+    await ctx.harness.stop()
+    await ctx.redis.aclose()
+
+
+if __name__ == "__main__":
+    variant = os.environ.get("KEEL_BENCH_VARIANT")
+    names = {
+        "plain": ("keel (in-process harness: submit, lease, commit, outbox read)", "Valkey 9 AOF everysec"),
+        "tool": ("keel + 1 function tool/turn", "Valkey 9 AOF everysec"),
+        "long": ("keel, 1,000-turn session", "Valkey 9 AOF everysec"),
+    }
+    if variant:  # run.py passes no --variant to an extra module: take it from the environment
+        names = {variant: names[variant], **names}
+    common.main(sys.modules[__name__], names)
