@@ -90,8 +90,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--strict-usage",
         action="store_true",
-        help="count a model call lost between its reply and its usage write (a crash in that window) as a "
-        "violation, not a note",
+        help="count a model call whose token record died with the process (a crash between its reply and "
+        "its usage write) as a violation, not a note; model_calls is checked strictly either way",
     )
     p.add_argument("--plans", action="store_true", help="print the plans and exit")
     args = p.parse_args(argv)

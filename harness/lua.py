@@ -54,7 +54,8 @@ return {'new', id}
 )
 
 # Takes the session for one turn: lease with a new fencing token, keyed context applied,
-# turn.started emitted once per turn, and everything the turn needs to run, in one trip.
+# turn.started emitted once per turn (and its first model call counted, before it is made),
+# and everything the turn needs to run, in one trip.
 # A turn paused for approval is not taken until its requests are all answered (or it is
 # cancelled). History comes back from `have_start + have_len` on when the caller's cached copy
 # starts at the same index and is not longer than the list; else all of the active history.
@@ -88,6 +89,7 @@ if redis.call('HGET', KEYS[1], 'turn') ~= m.turn_id then
     'waiting_on', '', 'undecided', 0)
   started = emit(KEYS[1], KEYS[6], ARGV[4], 'turn.started', '"turn_id":"' .. m.turn_id .. '","at":' .. ARGV[3] ..
     ',"data":{"message_id":' .. cjson.encode(m.message_id) .. '}}')
+  if not cancel then redis.call('HINCRBY', KEYS[1], 'u_calls', 1) end  -- the model call that comes next
 else
   redis.call('HSET', KEYS[1], 'status', 'running')
 end
@@ -113,8 +115,9 @@ return {'ok', fence, head, turn_start - start, redis.call('HGETALL', KEYS[5]),
 # released). Any mode reports whether a cancel was asked for this turn ('2' then does not pause).
 # Answers the harness gives itself (withdrawn requests of a cancelled turn) never replace one
 # already recorded; each one that is set emits its input.resolved.
+# With attempt=1 the model call that follows this commit is counted (unless a cancel is pending).
 # KEYS: meta, lease, history, outbox, inbox, pending, decisions.
-# ARGV: fence, turn_id, retention, mode, waiting_on, n_items, items..., n_requests,
+# ARGV: fence, turn_id, retention, mode, waiting_on, attempt, n_items, items..., n_requests,
 #       (request_id, json)..., n_answers, (request_id, json, event_body)..., then (type, body) pairs
 COMMIT = (
     _EMIT
@@ -122,7 +125,7 @@ COMMIT = (
 if redis.call('GET', KEYS[2]) ~= ARGV[1] or redis.call('HGET', KEYS[1], 'turn') ~= ARGV[2] then
   return {'stale'}
 end
-local i = 6
+local i = 7
 local n = tonumber(ARGV[i])
 local length = redis.call('LLEN', KEYS[3])
 if n > 0 then length = redis.call('RPUSH', KEYS[3], unpack(ARGV, i + 1, i + n)) end
@@ -143,6 +146,7 @@ for j = i, #ARGV, 2 do
 end
 local mode = ARGV[4]
 local cancel = redis.call('HGET', KEYS[1], 'cancel') == ARGV[2] and '1' or ''
+if ARGV[6] == '1' and cancel == '' then redis.call('HINCRBY', KEYS[1], 'u_calls', 1) end
 if mode == '2' then
   local count = 0
   for _ in string.gmatch(ARGV[5], '%S+') do count = count + 1 end
@@ -165,8 +169,10 @@ return {'ok', ids, length, cancel}
 """
 )
 
-# Usage of one provider attempt, recorded as soon as the provider answered and before the step
-# commits (I5): not fenced, since the attempt happened whoever owns the session now.
+# Provider attempts are counted (u_calls) before they are made, by the write that precedes them
+# (BEGIN, a commit with attempt=1, or ATTEMPT), so one whose reply dies with the process still
+# counts. Its tokens are recorded as soon as the provider answered, before the step commits (I5):
+# not fenced, since the attempt happened whoever owns the session now.
 # KEYS: meta, outbox. ARGV: retention, u_in, u_out, u_cached, event_body
 USAGE = (
     _EMIT
@@ -174,10 +180,14 @@ USAGE = (
 redis.call('HINCRBY', KEYS[1], 'u_in', ARGV[2])
 redis.call('HINCRBY', KEYS[1], 'u_out', ARGV[3])
 redis.call('HINCRBY', KEYS[1], 'u_cached', ARGV[4])
-redis.call('HINCRBY', KEYS[1], 'u_calls', 1)
 return emit(KEYS[1], KEYS[2], ARGV[1], 'usage.recorded', ARGV[5])
 """
 )
+
+# KEYS: meta. Counts a model call about to be made (when no other write precedes it).
+ATTEMPT = """
+return redis.call('HINCRBY', KEYS[1], 'u_calls', 1)
+"""
 
 # An answer to an approval request: recorded once; the turn becomes runnable when its last
 # request is answered. KEYS: meta, pending, decisions, outbox.

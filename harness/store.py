@@ -88,6 +88,7 @@ class Store:
         self._begin = redis.register_script(lua.BEGIN)
         self._commit = redis.register_script(lua.COMMIT)
         self._usage = redis.register_script(lua.USAGE)
+        self._attempt = redis.register_script(lua.ATTEMPT)
         self._respond = redis.register_script(lua.RESPOND)
         self._cancel = redis.register_script(lua.CANCEL)
         self._renew = redis.register_script(lua.RENEW)
@@ -214,13 +215,14 @@ class Store:
         mode: str = "step",
         requests: Sequence[ApprovalRequest] = (),
         answers: Sequence[tuple[str, Answer]] = (),
+        attempt: bool = False,
     ) -> Committed:
         """Commit a step (mode "step"), the end of a turn ("final"), or a pause for the
         approval `requests` ("pause"). `answers` records answers the harness gives itself
-        (withdrawn requests of a cancelled turn)."""
+        (withdrawn requests of a cancelled turn). `attempt`: a model call follows; count it now."""
         k = SessionKeys(sid)
         waiting_on = " ".join(r.request_id for r in requests) if mode == "pause" else ""
-        args: list[Any] = [fence, turn_id, self.retention, COMMIT_MODE[mode], waiting_on, len(items)]
+        args: list[Any] = [fence, turn_id, self.retention, COMMIT_MODE[mode], waiting_on, int(attempt), len(items)]
         args.extend(_enc.encode(item) for item in items)
         args.append(len(requests))
         for r in requests:
@@ -260,6 +262,10 @@ class Store:
         args.append(event_body(turn_id, data))
         eid: bytes = await self._usage(keys=[k.meta, k.outbox], args=args)
         return eid.decode()
+
+    async def count_attempt(self, sid: str) -> None:
+        """Count a model call about to be made, when no commit or BEGIN just did."""
+        await self._attempt(keys=[SessionKeys(sid).meta])
 
     async def respond(self, sid: str, owner: str, request_id: str, answer: Answer) -> Responded:
         k = SessionKeys(sid)

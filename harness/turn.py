@@ -82,6 +82,8 @@ class TurnRunner:
         self._publish = publish
         # requests of this turn with no answer: those BEGIN found, and any this run commits
         self.open_requests = [rid for rid, answer in begun.answers.items() if answer is None]
+        # the next model call is already counted (a fresh turn's BEGIN counts its first one)
+        self.attempt_counted = bool(begun.started_id) and not begun.cancel
 
     async def run(self) -> Outcome:
         if self.begun.cancel:
@@ -124,6 +126,9 @@ class TurnRunner:
             turn_items=self.turn_items,
             step=step,
         )
+        if not self.attempt_counted:
+            await self.store.count_attempt(self.sid)  # before the call: a reply lost in a crash still counts
+        self.attempt_counted = False
         try:
             reply = await self.agent.model.complete(request)
         except asyncio.CancelledError:
@@ -218,10 +223,13 @@ class TurnRunner:
                 is_error=is_error,
             )
             data = {"call_id": call.id, "tool": call.name, "result": text, "is_error": is_error}
-            committed = await self._commit([result], [self._event("tool.completed", data)])
+            # the last result of the step counts the model call that follows it (if one does)
+            model_next = call is todo[-1] and self._step() < self.agent.max_steps
+            committed = await self._commit([result], [self._event("tool.completed", data)], attempt=model_next)
             self.turn_items.append(result)
             if committed.cancel:
                 return Cancel()
+            self.attempt_counted = model_next
         return None
 
     async def _invoke(self, call: ToolCall) -> tuple[str, bool]:
@@ -287,6 +295,7 @@ class TurnRunner:
         requests: list[ApprovalRequest] | None = None,
         answers: list[tuple[str, Answer]] | None = None,
         after: str | None = None,
+        attempt: bool = False,
     ) -> Committed:
         try:
             committed = await self.store.commit(
@@ -298,6 +307,7 @@ class TurnRunner:
                 mode=mode,
                 requests=requests or (),
                 answers=answers or (),
+                attempt=attempt,
             )
         except StaleLease:
             log.warning("session %s turn %s: lease lost, stopping", self.sid, self.turn_id)

@@ -775,19 +775,20 @@ class SessionRun:
                 continue
             if crash is not None and accounted == 1 and not self.trial.strict_usage:
                 # A crash can stop a task between the model's reply and its usage write: that
-                # attempt is lost whatever keel does. The trial checks the failpoint's own step.
+                # attempt's tokens die with it (the attempt itself is counted before the call,
+                # which the model_calls check below holds keel to).
                 res.unaccounted += 1
                 res.notes.append(
-                    f"{self.trial.plan.describe()}: session {self.index}: {what}: 2 model calls, 1 in usage "
-                    f"(the crash came between a model reply and its usage write)"
+                    f"{self.trial.plan.describe()}: session {self.index}: {what}: 2 model calls, 1 usage.recorded "
+                    f"(the crash came between a model reply and its token record)"
                 )
             else:
                 self.violation(f"{what}: {len(at)} model calls, {accounted} usage.recorded (crash {kind})")
         if usage:
             self.violation(f"usage.recorded for steps the model never ran: {dict(usage)}")
-        recorded = sum(1 for e in replay if e["type"] == "usage.recorded")
-        if info["usage"]["model_calls"] != recorded:
-            self.violation(f"usage.model_calls {info['usage']['model_calls']}, usage.recorded events {recorded}")
+        calls = sum(len(at) for at in steps.values())
+        if info["usage"]["model_calls"] != calls:  # every provider attempt counted (I5), none invented
+            self.violation(f"usage.model_calls {info['usage']['model_calls']}, model calls made {calls}")
 
 
 # ---- many trials -------------------------------------------------------------------------------

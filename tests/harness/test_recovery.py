@@ -44,3 +44,29 @@ async def test_a_lost_lease_mid_turn_is_recovered_from_the_last_commit(make_harn
     types = [e["type"] for e in turn.events]
     assert types.count("turn.started") == 1 and types.count("tool.completed") == 1
     assert (await h.session(sid, "anon")).status == "idle"
+
+
+async def test_an_attempt_whose_reply_dies_with_the_process_is_still_counted(
+    make_harness: Any, monkeypatch: Any
+) -> None:
+    from harness.store import Store
+
+    real = Store.record_usage
+    died: list[int] = []
+
+    async def dying(self: Store, *args: Any, **kw: Any) -> str:
+        if not died:  # the process "dies" after the provider answered, before the tokens are written
+            died.append(1)
+            raise RuntimeError("process died")
+        return await real(self, *args, **kw)
+
+    monkeypatch.setattr(Store, "record_usage", dying)
+    model = ScriptedModel(lambda r: ModelReply(text="hi"))
+    h = await make_harness(Agent(instructions="t", model=model), lease_ms=500)
+    sid = await h.create_session("anon")
+    turn = await h.wait_turn(await h.submit(sid, "anon", "hello"), 15)  # the reclaimed job retries the step
+    assert turn.status == "completed" and died == [1]
+    info = await h.session(sid, "anon")
+    assert len(model.requests) == 2
+    assert info.usage["model_calls"] == 2  # both provider attempts, the one whose reply was lost too
+    assert [e["type"] for e in turn.events].count("usage.recorded") == 1  # tokens known for one only
