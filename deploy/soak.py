@@ -90,8 +90,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--strict-usage",
         action="store_true",
-        help="count a model call whose token record died with the process (a crash between its reply and "
-        "its usage write) as a violation, not a note; model_calls is checked strictly either way",
+        help="also require a token record (usage.recorded) for every model call; a crash between a reply and "
+        "its record makes that impossible, so this reports how often it happens. model_calls is always checked: "
+        "never fewer than the calls made, at most one more per crash",
     )
     p.add_argument("--plans", action="store_true", help="print the plans and exit")
     args = p.parse_args(argv)
