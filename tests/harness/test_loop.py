@@ -243,3 +243,17 @@ async def test_the_python_api_refuses_malformed_context_and_writes_nothing(
         await h.submit(sid, "anon", "hi", context)
     assert {k: await redis.dump(k) for k in await redis.keys("*")} == before
     assert not (await h.submit(sid, "anon", "next", {"page": "ok"})).duplicate
+
+
+async def test_a_redis_that_forgot_keels_scripts_records_each_step_once(make_harness: Any, redis: Any) -> None:
+    model = ScriptedModel(lambda r: ModelReply(text="ok"))
+    h = await make_harness(Agent(instructions="t", model=model))
+    sid = await h.create_session("anon")
+    await h.wait_turn(await h.submit(sid, "anon", "one"), 10)
+    await redis.script_flush()  # as after a Redis restart without persistence of the script cache
+    turn = await h.wait_turn(await h.submit(sid, "anon", "two"), 10)
+    assert turn.status == "completed"
+    events = [e.type for e in await h.store.events(sid, "0-0")]
+    assert events.count("usage.recorded") == 2 and events.count("turn.completed") == 2
+    assert [i.text for i in await h.history(sid, "anon")] == ["one", "ok", "two", "ok"]
+    assert (await h.session(sid, "anon")).usage["model_calls"] == 2
