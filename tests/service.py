@@ -30,6 +30,10 @@ class Service:
         self.base = f"http://127.0.0.1:{port}"
         self.log = workdir / "keel.log"
 
+    @property
+    def data_dir(self) -> Path:
+        return Path(self.env["KEEL_DATA_DIR"])
+
     def start(self, timeout: float = 20.0, **env: str) -> None:
         """Start (again), with `env` on top of the service's environment for this run only."""
         with open(self.log, "ab") as err:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -14,55 +13,12 @@ import httpx
 import pytest
 
 from tests.conftest import ROOT, free_port
-
-
-class Service:
-    def __init__(self, data_dir: Path, **env: str) -> None:
-        self.port = free_port()
-        self.data_dir = data_dir
-        self.env = {k: v for k, v in os.environ.items() if not k.startswith(("KEEL_", "REDIS_URL"))}
-        self.env.update(
-            {"KEEL_PORT": str(self.port), "KEEL_DATA_DIR": str(data_dir), "KEEL_LOG_LEVEL": "warning", **env}
-        )
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.base = f"http://127.0.0.1:{self.port}"
-
-    def start(self, timeout: float = 20.0) -> None:
-        log = self.data_dir.parent / "keel.log"
-        with open(log, "ab") as err:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "app"], cwd=ROOT, env=self.env, stdout=subprocess.DEVNULL, stderr=err
-            )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"keel exited: {log.read_text()}")
-            try:
-                if httpx.get(f"{self.base}/readyz", timeout=0.5).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.05)
-        raise AssertionError("keel did not become ready")
-
-    def kill9(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(timeout=10)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+from tests.service import Service
 
 
 @pytest.fixture
 def service(tmp_path: Path) -> Iterator[Service]:
-    svc = Service(tmp_path / "data")
+    svc = Service(tmp_path, free_port())
     yield svc
     svc.stop()
 
@@ -133,7 +89,7 @@ def test_a_second_service_on_the_same_data_dir_is_refused(service: Service, tmp_
     ],
 )
 def test_start_up_errors_are_one_line(tmp_path: Path, env: dict[str, str], message: str) -> None:
-    svc = Service(tmp_path / "data", **env)
+    svc = Service(tmp_path, free_port(), **env)
     r = subprocess.run(
         [sys.executable, "-m", "app"], check=False, cwd=ROOT, capture_output=True, text=True, timeout=30, env=svc.env
     )
