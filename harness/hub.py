@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from redis.asyncio import Redis
@@ -19,6 +19,10 @@ from harness.ids import stream_key
 from harness.keys import SessionKeys
 
 log = logging.getLogger("keel.hub")
+
+
+def _never(sid: str) -> bool:
+    return False
 
 
 class Watch:
@@ -41,8 +45,13 @@ class Watch:
 
 
 class EventHub:
-    def __init__(self, redis: Redis | None = None, *, poll_block_ms: int = 100) -> None:
+    def __init__(
+        self, redis: Redis | None = None, *, poll_block_ms: int = 100, runs_here: Callable[[str], bool] = _never
+    ) -> None:
         self._redis = redis
+        # Sessions this process runs now write (and announce) their turn's events here: the
+        # poller leaves them out until their drain ends (`poke`).
+        self._runs_here = runs_here
         self._block = poll_block_ms
         self._watches: dict[str, set[Watch]] = {}
         self._last: dict[str, str] = {}
@@ -84,6 +93,10 @@ class EventHub:
                     del self._watches[sid]
                     self._last.pop(sid, None)
 
+    def poke(self) -> None:
+        """Something changed what the poller should watch (a session stopped running here)."""
+        self._followed.set()
+
     def follow(self, sid: str, w: Watch, after: str) -> None:
         self._followed.set()
         w.seen = after
@@ -107,7 +120,7 @@ class EventHub:
         redis = self._redis
         while True:
             try:
-                sids = [s for s in self._watches if s in self._last]
+                sids = [s for s in self._watches if s in self._last and not self._runs_here(s)]
                 if not sids:
                     self._followed.clear()
                     await self._followed.wait()

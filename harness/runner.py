@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 
 from harness.agent import Agent
 from harness.errors import StaleLease
@@ -34,6 +35,7 @@ class Runner:
         agent: Agent,
         publish: Publish,
         *,
+        on_idle: Callable[[], None] = lambda: None,
         concurrency: int = 64,
         lease_ms: int = 5_000,
         block_ms: int = 1_000,
@@ -42,6 +44,7 @@ class Runner:
         self.queue = queue
         self.agent = agent
         self.publish = publish
+        self._on_idle = on_idle  # a session stopped running here
         self.lease_ms = lease_ms
         self.block_ms = block_ms
         self._concurrency = concurrency
@@ -150,6 +153,10 @@ class Runner:
         self._tasks.add(task)
         task.add_done_callback(self._done)
 
+    def runs(self, sid: str) -> bool:
+        """Whether this process is running the session now."""
+        return sid in self._active
+
     def _done(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
@@ -175,6 +182,7 @@ class Runner:
             drained = True
         finally:
             self._active.discard(sid)
+            self._on_idle()
             self._marks.pop(sid, None)
             jobs = self._jobs.pop(sid, [])
             if drained:

@@ -64,12 +64,21 @@ class Harness:
         self.agent = agent
         self.store = Store(redis, retention=retention)
         self.queue = JobQueue(redis)
-        self.hub = EventHub(redis)
-        self.runner = (
-            Runner(self.store, self.queue, agent, self._published, concurrency=concurrency, lease_ms=lease_ms)
-            if run_turns
-            else None
-        )
+        self.runner: Runner | None = None
+        self.hub = EventHub(redis, runs_here=self._runs_here)
+        if run_turns:
+            self.runner = Runner(
+                self.store,
+                self.queue,
+                agent,
+                self._published,
+                on_idle=self.hub.poke,
+                concurrency=concurrency,
+                lease_ms=lease_ms,
+            )
+
+    def _runs_here(self, sid: str) -> bool:
+        return self.runner is not None and self.runner.runs(sid)
 
     def _published(self, sid: str, event_id: str, settled: bool) -> None:
         self.hub.notify(sid, event_id, settled=settled)
