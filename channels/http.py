@@ -20,6 +20,7 @@ from harness.types import Item
 
 _enc = msgspec.json.Encoder()
 MAX_WAIT_S = 300.0
+HISTORY_PAGE, HISTORY_PAGE_MAX = 500, 1000
 
 
 def json_response(value: Any, status: int = 200) -> Response:
@@ -143,9 +144,25 @@ async def get_session(request: Request) -> Response:
     return json_response(info)
 
 
+def int_query(request: Request, name: str, default: int, low: int, high: int) -> int:
+    raw = request.query_params.get(name)
+    if raw is None:
+        return default
+    if not raw.isdigit() or not low <= int(raw) <= high:
+        raise ChannelError(400, "invalid_query", f"?{name}= takes a whole number from {low} to {high}")
+    return int(raw)
+
+
 async def get_history(request: Request) -> Response:
-    items = await harness_of(request).history(request.path_params["sid"], owner_of(request))
-    return json_response({"items": [item_json(i) for i in items]})
+    """A page of the active history, oldest first: `?offset=` (default 0) and `?limit=` (default
+    500, at most 1000); `next_offset` is where the next page starts, null after the last one."""
+    offset = int_query(request, "offset", 0, 0, 10**9)
+    limit = int_query(request, "limit", HISTORY_PAGE, 1, HISTORY_PAGE_MAX)
+    sid = request.path_params["sid"]
+    items = await harness_of(request).history(sid, owner_of(request), offset, limit + 1)
+    more = len(items) > limit
+    page = [item_json(i) for i in items[:limit]]
+    return json_response({"items": page, "next_offset": offset + limit if more else None})
 
 
 async def healthz(request: Request) -> Response:

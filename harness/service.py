@@ -203,9 +203,10 @@ class Harness:
             created_at=float(meta["created_at"]),
         )
 
-    async def history(self, sid: str, owner: str) -> list[Item]:
+    async def history(self, sid: str, owner: str, offset: int = 0, limit: int | None = None) -> list[Item]:
+        """The session's active history (after its last clear or compaction), or a page of it."""
         check_session_id(sid)
-        return await self.store.history(sid, owner)
+        return await self.store.history(sid, owner, offset, limit)
 
     async def check_owner(self, sid: str, owner: str) -> None:
         check_session_id(sid)

@@ -327,9 +327,12 @@ class Store:
 
     # ---- reads ---------------------------------------------------------------------------
 
-    async def history(self, sid: str, owner: str) -> list[Item]:
+    async def history(self, sid: str, owner: str, offset: int = 0, limit: int | None = None) -> list[Item]:
+        """Active history from `offset` on, at most `limit` items (all when None)."""
         meta = await self.meta(sid, owner)
-        raw: Any = await self.redis.lrange(SessionKeys(sid).history, int(meta["hist_start"]), -1)
+        first = int(meta["hist_start"]) + offset
+        last = -1 if limit is None else first + limit - 1
+        raw: Any = await self.redis.lrange(SessionKeys(sid).history, first, last)
         return [item_decoder.decode(r) for r in raw]
 
     async def events(self, sid: str, after: str, count: int = 200) -> list[StoredEvent]:

@@ -160,3 +160,23 @@ async def test_a_message_id_sent_twice_over_http_is_one_turn(serve: Any) -> None
         assert a.json() == b.json()
         assert len(model.requests) == 1
         assert len((await c.get(f"/v1/sessions/{sid}/history")).json()["items"]) == 2
+
+
+async def test_history_comes_in_pages(serve: Any) -> None:
+    live = await serve(echo_agent())
+    async with live.client() as c:
+        sid = (await c.post("/v1/sessions")).json()["session_id"]
+        for n in range(5):
+            await c.post(f"/v1/sessions/{sid}/messages?wait=true", json={"text": f"m{n}"})
+        whole = (await c.get(f"/v1/sessions/{sid}/history")).json()
+        assert len(whole["items"]) == 10 and whole["next_offset"] is None
+        pages, offset = [], 0
+        while offset is not None:
+            page = (await c.get(f"/v1/sessions/{sid}/history", params={"offset": offset, "limit": 4})).json()
+            pages.append(page["items"])
+            offset = page["next_offset"]
+        assert [len(p) for p in pages] == [4, 4, 2]
+        assert [i for p in pages for i in p] == whole["items"]
+        for bad in ({"limit": 0}, {"limit": 1001}, {"offset": -1}, {"limit": "x"}):
+            r = await c.get(f"/v1/sessions/{sid}/history", params=bad)
+            assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_query"
