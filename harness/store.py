@@ -22,7 +22,6 @@ from harness.keys import SessionKeys
 from harness.types import (
     Answer,
     ApprovalRequest,
-    Event,
     InboxMessage,
     Item,
     Usage,
@@ -290,10 +289,6 @@ class Store:
             return Responded(recorded=False, answer=answer_decoder.decode(res[1]))
         return Responded(recorded=True, answer=answer, runnable=int(res[2]) == 0)
 
-    async def request(self, sid: str, request_id: str) -> ApprovalRequest | None:
-        raw: Any = await self.redis.hget(SessionKeys(sid).pending, request_id)
-        return None if raw is None else request_decoder.decode(raw)
-
     async def open_requests(self, sid: str, meta: dict[str, str]) -> list[ApprovalRequest]:
         """The paused turn's requests that have no answer yet, in the order they were made."""
         rids = meta.get("waiting_on", "").split()
@@ -314,10 +309,6 @@ class Store:
         if res[0] == b"missing":
             raise NotFound(f"no session {sid}", code="session_not_found")
         return None if res[0] == b"idle" else res[1].decode()
-
-    async def queued_ids(self, sid: str, limit: int = 50) -> list[str]:
-        raw: Any = await self.redis.lrange(SessionKeys(sid).inbox, 0, limit - 1)
-        return [inbox_decoder.decode(r).message_id for r in raw]
 
     async def renew(self, sid: str, fence: str, lease_ms: int) -> bool:
         return bool(await self._renew(keys=[SessionKeys(sid).lease], args=[fence, lease_ms]))
@@ -342,10 +333,6 @@ class Store:
         )
         return [envelope(sid, eid, fields) for eid, fields in raw]
 
-    async def last_event_id(self, sid: str) -> str:
-        raw: Any = await self.redis.xrevrange(SessionKeys(sid).outbox, count=1)
-        return raw[0][0].decode() if raw else "0-0"
-
 
 class StoredEvent(NamedTuple):
     id: str
@@ -357,10 +344,6 @@ def envelope(sid: str, eid: bytes, fields: dict[bytes, bytes]) -> StoredEvent:
     etype = fields[b"t"]
     out = b'{"id":"' + eid + b'","seq":' + fields[b"s"] + b',"type":"' + etype + b'","session_id":'
     return StoredEvent(eid.decode(), etype.decode(), out + _enc.encode(sid) + b"," + fields[b"b"])
-
-
-def decode_event(raw: bytes) -> Event:
-    return msgspec.json.decode(raw, type=Event)
 
 
 def decode_data(raw: bytes) -> dict[str, Any]:

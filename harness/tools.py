@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any, get_type_hints, overload
 
 import msgspec
@@ -101,6 +101,3 @@ def tool(
         return Tool(f, name=name, approval=approval)
 
     return wrap
-
-
-ToolFn = Callable[..., Any] | Callable[..., Awaitable[Any]]
