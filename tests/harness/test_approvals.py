@@ -3,6 +3,7 @@ exactly the stored calls; denials, repeats, conflicts, queueing behind a paused 
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
@@ -10,6 +11,22 @@ import pytest
 from harness import Agent, ToolContext, tool
 from harness.errors import Conflict, InvalidInput, NotFound
 from harness.models import ModelReply, ModelRequest, ScriptedModel, ToolCall
+
+
+class Stalling:
+    """A model that, for the message `trigger`, stops until `release` is set and then calls
+    `tool`; it answers anything else with "ok". `thinking` is set while it is stopped."""
+
+    def __init__(self, trigger: str, tool: str) -> None:
+        self.trigger, self.tool = trigger, tool
+        self.thinking, self.release = asyncio.Event(), asyncio.Event()
+
+    async def __call__(self, r: ModelRequest) -> ModelReply:
+        if r.messages[-1].text != self.trigger:
+            return ModelReply(text="ok")
+        self.thinking.set()
+        await self.release.wait()
+        return ModelReply(tool_calls=[ToolCall(self.tool)])
 
 
 def gated_agent(runs: list[tuple[str, dict[str, Any], str]]) -> tuple[Agent, ScriptedModel]:
@@ -173,9 +190,6 @@ async def test_cancel_withdraws_open_requests_and_closes_every_call(make_harness
 
 
 async def test_cancel_while_the_model_thinks_ends_the_turn_without_running_its_tools(make_harness: Any) -> None:
-    import asyncio
-
-    thinking, release = asyncio.Event(), asyncio.Event()
     ran: list[str] = []
 
     @tool
@@ -184,14 +198,9 @@ async def test_cancel_while_the_model_thinks_ends_the_turn_without_running_its_t
         ran.append("act")
         return "acted"
 
-    async def script(r: ModelRequest) -> ModelReply:
-        if r.messages[-1].text == "slow":
-            thinking.set()
-            await release.wait()
-            return ModelReply(tool_calls=[ToolCall("act")])
-        return ModelReply(text="ok")
-
-    model = ScriptedModel(script)
+    stall = Stalling("slow", "act")
+    thinking, release = stall.thinking, stall.release
+    model = ScriptedModel(stall)
     h = await make_harness(Agent(instructions="t", tools=[act], model=model))
     sid = await h.create_session("anon")
     slow = await h.submit(sid, "anon", "slow")
@@ -213,9 +222,6 @@ async def test_cancel_while_the_model_thinks_ends_the_turn_without_running_its_t
 
 
 async def test_cancel_during_a_step_that_asks_for_approval_withdraws_what_it_asked(make_harness: Any) -> None:
-    import asyncio
-
-    thinking, release = asyncio.Event(), asyncio.Event()
     ran: list[str] = []
 
     @tool(approval=True)
@@ -224,14 +230,9 @@ async def test_cancel_during_a_step_that_asks_for_approval_withdraws_what_it_ask
         ran.append("launch")
         return "launched"
 
-    async def script(r: ModelRequest) -> ModelReply:
-        if r.messages[-1].text != "go":
-            return ModelReply(text="ok")
-        thinking.set()
-        await release.wait()
-        return ModelReply(tool_calls=[ToolCall("launch")])
-
-    h = await make_harness(Agent(instructions="t", tools=[launch], model=ScriptedModel(script)))
+    stall = Stalling("go", "launch")
+    thinking, release = stall.thinking, stall.release
+    h = await make_harness(Agent(instructions="t", tools=[launch], model=ScriptedModel(stall)))
     sid = await h.create_session("anon")
     await h.submit(sid, "anon", "go")
     await asyncio.wait_for(thinking.wait(), 5)
@@ -321,23 +322,15 @@ async def test_asking_again_about_a_turn_that_paused_reports_how_it_ended(make_h
 async def test_a_crash_between_a_cancelled_pause_and_its_cancellation_still_withdraws(
     make_harness: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import asyncio
-
     from harness.turn import TurnRunner
-
-    thinking, release = asyncio.Event(), asyncio.Event()
 
     @tool(approval=True)
     def launch() -> str:
         """Launch."""
         return "launched"
 
-    async def script(r: ModelRequest) -> ModelReply:
-        if r.messages[-1].text != "go":
-            return ModelReply(text="ok")
-        thinking.set()
-        await release.wait()
-        return ModelReply(tool_calls=[ToolCall("launch")])
+    stall = Stalling("go", "launch")
+    thinking, release = stall.thinking, stall.release
 
     real_cancel = TurnRunner.cancel
     crashes = []
@@ -349,7 +342,7 @@ async def test_a_crash_between_a_cancelled_pause_and_its_cancellation_still_with
         return await real_cancel(self)
 
     monkeypatch.setattr(TurnRunner, "cancel", dying_cancel)
-    h = await make_harness(Agent(instructions="t", tools=[launch], model=ScriptedModel(script)), lease_ms=500)
+    h = await make_harness(Agent(instructions="t", tools=[launch], model=ScriptedModel(stall)), lease_ms=500)
     sid = await h.create_session("anon")
     await h.submit(sid, "anon", "go")
     await asyncio.wait_for(thinking.wait(), 5)
