@@ -14,7 +14,15 @@ turn a cancel was asked for).
 
 from __future__ import annotations
 
-# Shared helpers, prepended to every script that emits events.
+# Shared helpers, prepended to the scripts that use them. `owns`: whether the session exists
+# and belongs to `owner` (an unknown session and another owner's look the same: 'missing').
+_OWNS = """
+local function owns(meta, owner)
+  local found = redis.call('HGET', meta, 'owner')
+  return found ~= false and found == owner
+end
+"""
+
 _EMIT = """
 local function emit(meta, outbox, retention, etype, body)
   local seq = redis.call('HINCRBY', meta, 'seq', 1)
@@ -39,10 +47,10 @@ return {'ok', id}
 # ARGV: owner, message_id, turn_id, inbox_json_tail (the encoded InboxMessage without its
 #       opening brace), retention, event_body
 SUBMIT = (
-    _EMIT
+    _OWNS
+    + _EMIT
     + """
-local owner = redis.call('HGET', KEYS[1], 'owner')
-if not owner or owner ~= ARGV[1] then return {'missing'} end
+if not owns(KEYS[1], ARGV[1]) then return {'missing'} end
 local prev = redis.call('HGET', KEYS[3], ARGV[2])
 if prev then return {'dup', prev} end
 local id = emit(KEYS[1], KEYS[4], ARGV[5], 'message.received', ARGV[6])
@@ -193,10 +201,10 @@ return redis.call('HINCRBY', KEYS[1], 'u_calls', 1)
 # request is answered. KEYS: meta, pending, decisions, outbox.
 # ARGV: owner, request_id, answer_json, retention, now, event_data_json
 RESPOND = (
-    _EMIT
+    _OWNS
+    + _EMIT
     + """
-local owner = redis.call('HGET', KEYS[1], 'owner')
-if not owner or owner ~= ARGV[1] then return {'missing'} end
+if not owns(KEYS[1], ARGV[1]) then return {'missing'} end
 local request = redis.call('HGET', KEYS[2], ARGV[2])
 if not request then return {'unknown'} end
 local prev = redis.call('HGET', KEYS[3], ARGV[2])
@@ -221,9 +229,10 @@ return {'ok', id, left}
 # Asks the turn in progress (or, if none began yet, the next queued message's turn) to end;
 # with a turn id, only that turn. The runner that holds (or next takes) the session finishes it.
 # KEYS: meta, inbox. ARGV: owner, turn_id ('' for whichever is current)
-CANCEL = """
-local owner = redis.call('HGET', KEYS[1], 'owner')
-if not owner or owner ~= ARGV[1] then return {'missing'} end
+CANCEL = (
+    _OWNS
+    + """
+if not owns(KEYS[1], ARGV[1]) then return {'missing'} end
 local turn = redis.call('HGET', KEYS[1], 'turn') or ''
 if turn == '' then
   local head = redis.call('LINDEX', KEYS[2], 0)
@@ -234,6 +243,7 @@ if ARGV[2] ~= '' and ARGV[2] ~= turn then return {'idle'} end
 redis.call('HSET', KEYS[1], 'cancel', turn)
 return {'ok', turn}
 """
+)
 
 # KEYS: lease. ARGV: fence, ttl_ms. Extends the lease only for its owner.
 RENEW = """
