@@ -5,7 +5,7 @@ written unless the whole request was valid (I10)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 from redis.exceptions import RedisError
@@ -14,7 +14,13 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from channels.errors import ChannelError, error_response
-from channels.types import cancel_decoder, create_session_decoder, respond_decoder, send_message_decoder
+from channels.types import (
+    cancel_decoder,
+    create_session_decoder,
+    empty_decoder,
+    respond_decoder,
+    send_message_decoder,
+)
 from harness import Harness
 from harness.types import Item
 
@@ -139,6 +145,27 @@ async def cancel(request: Request) -> Response:
     return json_response({"session_id": sid, "turn_id": turn_id}, 202)
 
 
+async def compact(request: Request) -> Response:
+    """Queue a compaction behind the session's turns: 202, then compaction.requested,
+    compaction.completed and session.waiting on the event stream."""
+    return await _operation(request, "compact")
+
+
+async def clear(request: Request) -> Response:
+    """Queue a clear of the model's history behind the session's turns: 202, then
+    context.cleared and session.waiting on the event stream."""
+    return await _operation(request, "clear")
+
+
+async def _operation(request: Request, kind: Literal["compact", "clear"]) -> Response:
+    sid = request.path_params["sid"]
+    decode(empty_decoder, await read_body(request), empty_ok=True)
+    harness = harness_of(request)
+    op = harness.compact if kind == "compact" else harness.clear
+    op_id = await op(sid, owner_of(request))
+    return json_response({"session_id": sid, "turn_id": op_id}, 202)
+
+
 async def get_session(request: Request) -> Response:
     info = await harness_of(request).session(request.path_params["sid"], owner_of(request))
     return json_response(info)
@@ -189,5 +216,7 @@ def routes() -> list[Route]:
         Route("/v1/sessions/{sid}/history", get_history, methods=["GET"]),
         Route("/v1/sessions/{sid}/responses", respond, methods=["POST"]),
         Route("/v1/sessions/{sid}/cancel", cancel, methods=["POST"]),
+        Route("/v1/sessions/{sid}/compact", compact, methods=["POST"]),
+        Route("/v1/sessions/{sid}/clear", clear, methods=["POST"]),
         Route("/v1/sessions/{sid}/events", stream_events, methods=["GET"]),
     ]

@@ -30,7 +30,12 @@ class Cancel(msgspec.Struct, forbid_unknown_fields=True):
     turn_id: str | None = None
 
 
+class Empty(msgspec.Struct, forbid_unknown_fields=True):
+    """A command that takes no fields (compact, clear): an empty body or {}."""
+
+
 create_session_decoder = msgspec.json.Decoder(CreateSession)
+empty_decoder = msgspec.json.Decoder(Empty)
 cancel_decoder = msgspec.json.Decoder(Cancel)
 respond_decoder = msgspec.json.Decoder(Respond)
 send_message_decoder = msgspec.json.Decoder(SendMessage)

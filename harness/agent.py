@@ -2,17 +2,29 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from harness.compaction import Compaction
 from harness.models.base import Model, ToolSpec
+from harness.prompt import InputCallback
+from harness.runtime import RuntimeContext, RuntimeFn
+from harness.todo import todo_tool
 from harness.tools import Tool
 
 
 class Agent:
     """`Agent(instructions=..., tools=[fn, ...], model=ScriptedModel(fn))`.
 
-    `max_steps` bounds the model calls of one turn; past it the turn fails with `max_steps`.
+    - `max_steps` bounds the model calls of one turn; past it the turn fails with `max_steps`.
+    - `runtime_context=[fn, ...]`: providers of volatile facts (branch, plan, date), each
+      returning a short string or None; shown as snapshots in history, never in the system
+      prompt (see `harness.runtime`).
+    - `input_callback(history, new_input) -> list[Item]`: reshapes what the model is shown;
+      never what is stored (see `harness.prompt`).
+    - `context_window` (tokens) turns on automatic compaction, configured by `compaction`
+      (see `harness.compaction`); a manual compact uses `compaction` either way.
+    - `todo=True` gives the model the built-in `todo` tool (see `harness.todo`).
     """
 
     def __init__(
@@ -23,14 +35,27 @@ class Agent:
         tools: Iterable[Tool | Callable[..., Any]] = (),
         name: str = "agent",
         max_steps: int = 16,
+        runtime_context: Sequence[RuntimeFn] = (),
+        input_callback: InputCallback | None = None,
+        context_window: int | None = None,
+        compaction: Compaction | None = None,
+        todo: bool = False,
     ) -> None:
         if max_steps < 1:
             raise ValueError("max_steps must be at least 1")
+        if context_window is not None and context_window < 1:
+            raise ValueError("context_window must be a positive number of tokens")
         self.name = name
         self.instructions = instructions
         self.model = model
         self.max_steps = max_steps
+        self.runtime = RuntimeContext(runtime_context)
+        self.input_callback = input_callback
+        self.context_window = context_window
+        self.compaction = compaction or Compaction()
         built = [t if isinstance(t, Tool) else Tool(t) for t in tools]
+        if todo:
+            built.append(todo_tool())
         self.tools: dict[str, Tool] = {}
         for t in built:
             if t.name in self.tools:

@@ -6,7 +6,8 @@ KeelError                  base; `code` is the stable machine-readable name
 ├── Conflict               the request contradicts the session's state
 ├── StaleLease             a commit by a runner that no longer owns the session (I4)
 ├── ToolError              a tool failed; becomes an error tool result, not a failed turn
-└── ModelError             the model call failed; the turn fails with this code
+├── ModelError             the model call failed; the turn fails with this code
+└── CallbackError          the agent's input callback failed; the turn fails with this code
 """
 
 from __future__ import annotations
@@ -45,3 +46,7 @@ class ToolError(KeelError):
 
 class ModelError(KeelError):
     code = "model_error"
+
+
+class CallbackError(KeelError):
+    code = "input_callback_failed"

@@ -7,9 +7,14 @@ Events are stored as stream fields `s` (seq), `t` (type) and `b` (the envelope's
 JSON from Python is never decoded and re-encoded here (cjson would change numbers).
 
 Meta fields: owner, created_at, metadata, status (idle|running|waiting), seq, fence, turn (the
-turn in progress), turn_start, hist_start, u_in/u_out/u_cached/u_calls (usage), waiting_on (the
-request ids the paused turn waits for), undecided (how many of them are unanswered), cancel (the
-turn a cancel was asked for).
+turn in progress), turn_start, hist_start (where the turn's items and the active history begin in
+the history list), u_in/u_out/u_cached/u_calls (usage), last_in/last_est (the provider-reported
+input tokens of the last turn call and keel's estimate of that request, for compaction),
+waiting_on (the request ids the paused turn waits for), undecided (how many of them are
+unanswered), cancel (the turn a cancel was asked for).
+
+The inbox holds user messages and, queued among them, manual compact and clear entries (`kind`);
+the current turn is always the inbox head.
 """
 
 from __future__ import annotations
@@ -61,9 +66,21 @@ return {'new', id}
 """
 )
 
+# Queues a compact or clear behind the turns before it. KEYS: meta, inbox. ARGV: owner, entry_json
+ENQUEUE = (
+    _OWNS
+    + """
+if not owns(KEYS[1], ARGV[1]) then return {'missing'} end
+redis.call('RPUSH', KEYS[2], ARGV[2])
+if redis.call('HGET', KEYS[1], 'status') == 'idle' then redis.call('HSET', KEYS[1], 'status', 'running') end
+return {'ok'}
+"""
+)
+
 # Takes the session for one turn: lease with a new fencing token, keyed context applied,
 # turn.started emitted once per turn (and its first model call counted, before it is made),
-# and everything the turn needs to run, in one trip.
+# and everything the turn needs to run, in one trip. A compact entry emits compaction.requested
+# instead; a clear, nothing.
 # A turn paused for approval is not taken until its requests are all answered (or it is
 # cancelled). History comes back from `have_start + have_len` on when the caller's cached copy
 # starts at the same index and is not longer than the list; else all of the active history.
@@ -86,8 +103,9 @@ if holder and holder ~= ARGV[1] then return {'busy', redis.call('PTTL', KEYS[3])
 local fence = redis.call('HINCRBY', KEYS[1], 'fence', 1)
 redis.call('SET', KEYS[3], fence, 'PX', ARGV[2])
 local started = ''
+local kind = m.kind or 'message'
 if redis.call('HGET', KEYS[1], 'turn') ~= m.turn_id then
-  if type(m.sticky) == 'table' then
+  if kind == 'message' and type(m.sticky) == 'table' then
     for k, v in pairs(m.sticky) do
       if v == cjson.null then redis.call('HDEL', KEYS[5], k)
       elseif type(v) == 'string' then redis.call('HSET', KEYS[5], k, v) end
@@ -95,9 +113,14 @@ if redis.call('HGET', KEYS[1], 'turn') ~= m.turn_id then
   end
   redis.call('HSET', KEYS[1], 'turn', m.turn_id, 'turn_start', redis.call('LLEN', KEYS[4]), 'status', 'running',
     'waiting_on', '', 'undecided', 0)
-  started = emit(KEYS[1], KEYS[6], ARGV[4], 'turn.started', '"turn_id":"' .. m.turn_id .. '","at":' .. ARGV[3] ..
-    ',"data":{"message_id":' .. cjson.encode(m.message_id) .. '}}')
-  if not cancel then redis.call('HINCRBY', KEYS[1], 'u_calls', 1) end  -- the model call that comes next
+  local env = '"turn_id":"' .. m.turn_id .. '","at":' .. ARGV[3] .. ',"data":'
+  if kind == 'message' then
+    local data = '{"message_id":' .. cjson.encode(m.message_id) .. '}}'
+    started = emit(KEYS[1], KEYS[6], ARGV[4], 'turn.started', env .. data)
+    if not cancel then redis.call('HINCRBY', KEYS[1], 'u_calls', 1) end  -- the model call that comes next
+  elseif kind == 'compact' then
+    started = emit(KEYS[1], KEYS[6], ARGV[4], 'compaction.requested', env .. '{"reason":"manual"}}')
+  end
 else
   redis.call('HSET', KEYS[1], 'status', 'running')
 end
@@ -113,7 +136,8 @@ for rid in string.gmatch(waiting_on, '%S+') do
   decisions[#decisions + 1] = redis.call('HGET', KEYS[7], rid) or ''
 end
 return {'ok', fence, head, turn_start - start, redis.call('HGETALL', KEYS[5]),
-  redis.call('LRANGE', KEYS[4], from, -1), start, from - start, started, cancel and '1' or '', decisions}
+  redis.call('LRANGE', KEYS[4], from, -1), start, from - start, started, cancel and '1' or '', decisions,
+  redis.call('HMGET', KEYS[1], 'last_in', 'last_est')}
 """
 )
 
@@ -124,8 +148,11 @@ return {'ok', fence, head, turn_start - start, redis.call('HGETALL', KEYS[5]),
 # Answers the harness gives itself (withdrawn requests of a cancelled turn) never replace one
 # already recorded; each one that is set emits its input.resolved.
 # With attempt=1 the model call that follows this commit is counted (unless a cancel is pending).
+# A rebase (compaction, clear) makes the appended items the whole active history: it begins at
+# the first of them, and the current turn's items at `rebase` of them; the provider's last
+# token report no longer describes the context, so it is forgotten.
 # KEYS: meta, lease, history, outbox, inbox, pending, decisions.
-# ARGV: fence, turn_id, retention, mode, waiting_on, attempt, n_items, items..., n_requests,
+# ARGV: fence, turn_id, retention, mode, waiting_on, attempt, rebase ('' or the offset), n_items, items..., n_requests,
 #       (request_id, json)..., n_answers, (request_id, json, event_body)..., then (type, body) pairs
 COMMIT = (
     _EMIT
@@ -133,10 +160,15 @@ COMMIT = (
 if redis.call('GET', KEYS[2]) ~= ARGV[1] or redis.call('HGET', KEYS[1], 'turn') ~= ARGV[2] then
   return {'stale'}
 end
-local i = 7
+local i = 8
 local n = tonumber(ARGV[i])
-local length = redis.call('LLEN', KEYS[3])
+local before = redis.call('LLEN', KEYS[3])
+local length = before
 if n > 0 then length = redis.call('RPUSH', KEYS[3], unpack(ARGV, i + 1, i + n)) end
+if ARGV[7] ~= '' then
+  redis.call('HSET', KEYS[1], 'hist_start', before, 'turn_start', before + tonumber(ARGV[7]),
+    'last_in', 0, 'last_est', 0)
+end
 i = i + n + 1
 n = tonumber(ARGV[i])
 for j = i + 1, i + 2 * n, 2 do redis.call('HSET', KEYS[6], ARGV[j], ARGV[j + 1]) end
@@ -180,14 +212,16 @@ return {'ok', ids, length, cancel}
 # Provider attempts are counted (u_calls) before they are made, by the write that precedes them
 # (BEGIN, a commit with attempt=1, or ATTEMPT), so one whose reply dies with the process still
 # counts. Its tokens are recorded as soon as the provider answered, before the step commits (I5):
-# not fenced, since the attempt happened whoever owns the session now.
-# KEYS: meta, outbox. ARGV: retention, u_in, u_out, u_cached, event_body
+# not fenced, since the attempt happened whoever owns the session now. A turn's call also leaves
+# its reported input tokens and keel's estimate of the same request, for compaction's threshold.
+# KEYS: meta, outbox. ARGV: retention, u_in, u_out, u_cached, event_body, last_est ('' to keep)
 USAGE = (
     _EMIT
     + """
 redis.call('HINCRBY', KEYS[1], 'u_in', ARGV[2])
 redis.call('HINCRBY', KEYS[1], 'u_out', ARGV[3])
 redis.call('HINCRBY', KEYS[1], 'u_cached', ARGV[4])
+if ARGV[6] ~= '' then redis.call('HSET', KEYS[1], 'last_in', ARGV[2], 'last_est', ARGV[6]) end
 return emit(KEYS[1], KEYS[2], ARGV[1], 'usage.recorded', ARGV[5])
 """
 )
@@ -228,17 +262,17 @@ return {'ok', id, left}
 
 # Asks the turn in progress (or, if none began yet, the next queued message's turn) to end;
 # with a turn id, only that turn. The runner that holds (or next takes) the session finishes it.
+# The current turn is the inbox head; a compact or clear there is not cancelled.
 # KEYS: meta, inbox. ARGV: owner, turn_id ('' for whichever is current)
 CANCEL = (
     _OWNS
     + """
 if not owns(KEYS[1], ARGV[1]) then return {'missing'} end
-local turn = redis.call('HGET', KEYS[1], 'turn') or ''
-if turn == '' then
-  local head = redis.call('LINDEX', KEYS[2], 0)
-  if not head then return {'idle'} end
-  turn = cjson.decode(head).turn_id
-end
+local head = redis.call('LINDEX', KEYS[2], 0)
+if not head then return {'idle'} end
+local m = cjson.decode(head)
+if m.kind and m.kind ~= 'message' then return {'idle'} end
+local turn = m.turn_id
 if ARGV[2] ~= '' and ARGV[2] ~= turn then return {'idle'} end
 redis.call('HSET', KEYS[1], 'cancel', turn)
 return {'ok', turn}

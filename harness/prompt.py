@@ -1,20 +1,36 @@
 """Prompt assembly (DESIGN.md "Prompt assembly"):
 
-    [tools][system]                       stable bytes, built once per agent
-    [durable history before this turn]    append-only
+    [tools][system]                       stable bytes, built once per agent     <- breakpoint 0
+    [durable history before this turn]    append-only between compactions
+    [runtime snapshot, if it changed]     durable: committed with the user message
+                                                                                 <- breakpoint k
     [sticky context][this turn's context][this turn's user message]
     [this turn's assistant/tool items so far]
+    [runtime snapshot re-read mid-run, if it changed: not persisted]
 
 Page context is inserted here, per model call, and nowhere else: it is never in the items a
 step commits, so it can never reach history (I1).
+
+An agent's `input_callback(history, new_input) -> list[Item]` (sync or async) replaces the part
+before this turn's outputs: `history` is the active history before the turn, `new_input` this
+turn's [snapshot][context][user message]. It gets fresh lists it may change freely. What it
+returns is only what the model is shown: what is stored is decided without it (the turn's
+snapshot and user message, and the model's outputs, once each), so no reshaping, repeating or
+rebuilding of items can store history again (I7). Items it invents are shown to the model on
+every call of the turn and never stored.
 """
 
 from __future__ import annotations
 
-from harness.agent import Agent
+import inspect
+from collections.abc import Awaitable, Callable, Sequence
+
 from harness.context import context_items
-from harness.models.base import ModelRequest
+from harness.errors import CallbackError
+from harness.models.base import ModelRequest, ToolSpec
 from harness.types import InboxMessage, Item
+
+InputCallback = Callable[[list[Item], list[Item]], list[Item] | Awaitable[list[Item]]]
 
 
 def user_item(message: InboxMessage) -> Item:
@@ -28,26 +44,65 @@ def user_item(message: InboxMessage) -> Item:
     )
 
 
-def assemble(
-    agent: Agent,
+def new_input(message: InboxMessage, sticky: dict[str, str], snapshot: Item | None) -> list[Item]:
+    """This turn's input, in prompt order: [snapshot][sticky][turn context][user message]."""
+    items = [snapshot] if snapshot is not None else []
+    items.extend(context_items(message.turn_id, sticky, message.context))
+    items.append(user_item(message))
+    return items
+
+
+async def assemble(
     *,
+    system: str,
+    tools: tuple[ToolSpec, ...],
+    callback: InputCallback | None,
     session_id: str,
-    message: InboxMessage,
-    history: list[Item],
-    sticky: dict[str, str],
-    turn_items: list[Item],
+    turn_id: str,
     step: int,
+    history: list[Item],
+    fresh: list[Item],
+    outputs: Sequence[Item],
+    tail: Sequence[Item] = (),
 ) -> ModelRequest:
-    """The request for one model call of a turn. `turn_items` excludes the user item."""
-    messages = list(history)
-    messages.extend(context_items(message.turn_id, sticky, message.context))
-    messages.append(user_item(message))
-    messages.extend(turn_items)
+    """The request for one model call of a turn: `fresh` is `new_input(...)`, `outputs` the
+    turn's committed assistant and tool items, `tail` a mid-run snapshot."""
+    if callback is None:
+        messages = [*history, *fresh]
+    else:
+        messages = await _call(callback, list(history), list(fresh))
+    stable = _stable(messages, history, callback is not None)
+    messages.extend(outputs)
+    messages.extend(tail)
     return ModelRequest(
-        system=agent.instructions,
-        tools=agent.tool_specs,
+        system=system,
+        tools=tools,
         messages=messages,
         session_id=session_id,
-        turn_id=message.turn_id,
+        turn_id=turn_id,
         step=step,
+        cache_breakpoints=(0, stable) if stable else (0,),
     )
+
+
+async def _call(callback: InputCallback, history: list[Item], fresh: list[Item]) -> list[Item]:
+    try:
+        out = callback(history, fresh)
+        if inspect.isawaitable(out):
+            out = await out
+    except Exception as exc:
+        raise CallbackError(f"the input callback raised {type(exc).__name__}: {exc}") from exc
+    if not isinstance(out, list) or not all(isinstance(i, Item) for i in out):
+        raise CallbackError("the input callback must return a list of Items")
+    return list(out)
+
+
+def _stable(messages: list[Item], history: list[Item], reshaped: bool) -> int:
+    """How many leading messages the next turn's request repeats unchanged: the durable items
+    before the first page context, or, when a callback reshaped the input, the common prefix
+    with history."""
+    n = 0
+    for n, (item, same) in enumerate(zip(messages, history if reshaped else messages, strict=False)):
+        if item.kind in ("context", "sticky") or item != same:
+            return n
+    return min(len(messages), len(history)) if reshaped else len(messages)

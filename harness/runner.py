@@ -17,6 +17,7 @@ from collections.abc import Callable
 from harness.agent import Agent
 from harness.errors import StaleLease
 from harness.ids import stream_key
+from harness.ops import OpRunner
 from harness.queue import JobQueue
 from harness.store import Begun, Busy, Store
 from harness.turn import Final, Publish, TurnRunner
@@ -221,7 +222,10 @@ class Runner:
     async def _run_turn(self, sid: str, begun: Begun) -> bool:
         renewal = Renewal(self.store, sid, begun.fence, self.lease_ms)
         try:
-            outcome = await TurnRunner(self.store, self.agent, sid, begun, self.publish).run()
+            if begun.message.kind == "message":
+                outcome = await TurnRunner(self.store, self.agent, sid, begun, self.publish).run()
+            else:
+                outcome = await OpRunner(self.store, self.agent, sid, begun, self.publish).run()
         finally:
             renewal.cancel()
         if not isinstance(outcome, Final):

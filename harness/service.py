@@ -19,7 +19,17 @@ from harness.ids import new_id, stream_key
 from harness.queue import JobQueue
 from harness.runner import Runner
 from harness.store import Responded, Store, StoredEvent, decode_data
-from harness.types import Answer, InboxMessage, Item, PageContext, SessionInfo, SessionStatus, SubmitResult, TurnResult
+from harness.types import (
+    Answer,
+    EntryKind,
+    InboxMessage,
+    Item,
+    PageContext,
+    SessionInfo,
+    SessionStatus,
+    SubmitResult,
+    TurnResult,
+)
 
 SESSION_ID = re.compile(r"^ses_[0-9a-z]{26}$")
 EVENT_ID = re.compile(r"^\d{1,20}-\d{1,20}$")
@@ -167,6 +177,24 @@ class Harness:
         turn_id = cancelled
         await self._wake(sid)
         return turn_id
+
+    async def compact(self, sid: str, owner: str) -> str:
+        """Queue a manual compaction behind the session's turns. Returns its id (the turn_id of
+        its events)."""
+        return await self._enqueue(sid, owner, "compact")
+
+    async def clear(self, sid: str, owner: str) -> str:
+        """Queue a clear of the model's history behind the session's turns. Returns its id."""
+        return await self._enqueue(sid, owner, "clear")
+
+    async def _enqueue(self, sid: str, owner: str, kind: EntryKind) -> str:
+        check_session_id(sid)
+        op_id = new_id("turn")
+        entry = InboxMessage(message_id=new_id(kind), turn_id=op_id, kind=kind)
+        (job_id,) = await self.store.enqueue(sid, owner, entry, also=lambda pipe: JobQueue.enqueue_into(pipe, sid))
+        if self.runner is not None:
+            self.runner.kick(sid, job_id.decode())
+        return op_id
 
     async def _wake(self, sid: str) -> None:
         """Queue a job for the session (and run it here at once, if this process runs turns)."""

@@ -54,6 +54,8 @@ class Begun(msgspec.Struct, frozen=True):
     started_id: str = ""  # the turn.started event this BEGIN wrote ("" when resuming a turn)
     cancel: bool = False  # a cancel was asked for this turn
     answers: dict[str, Answer | None] = {}  # the paused step's requests and their answers so far
+    last_in: int = 0  # provider-reported input tokens of the session's last turn call (0: none)
+    last_est: int = 0  # keel's estimate of that same request
 
 
 class Busy(msgspec.Struct, frozen=True):
@@ -84,6 +86,7 @@ class Store:
         self.retention = retention
         self._create = redis.register_script(lua.CREATE)
         self._submit = redis.register_script(lua.SUBMIT)
+        self._enqueue = redis.register_script(lua.ENQUEUE)
         self._begin = redis.register_script(lua.BEGIN)
         self._commit = redis.register_script(lua.COMMIT)
         self._usage = redis.register_script(lua.USAGE)
@@ -124,10 +127,6 @@ class Store:
         `also` adds to the pipeline (the job). Returns (duplicate, turn_id, received event id,
         replies of `also`); a repeated message_id returns the first one's ids. A session this
         process has not seen is looked up first, so a request for an unknown one writes nothing."""
-        if self._known.get(sid) != owner:
-            if await self.redis.hget(SessionKeys(sid).meta, "owner") != owner.encode():
-                raise NotFound(f"no session {sid}", code="session_not_found")
-            self._remember(sid, owner)
         k = SessionKeys(sid)
         body = event_body(message.turn_id, {"message_id": message.message_id, "text": message.text})
         args: list[str | bytes | int] = [
@@ -138,26 +137,60 @@ class Store:
             self.retention,
             body,
         ]
+        keys = [k.meta, k.inbox, k.mids, k.outbox]
+        res, extra = await self._with(
+            sid, owner=owner, script=self._submit, source=lua.SUBMIT, keys=keys, args=args, also=also
+        )
+        if res[0] == b"dup":
+            turn_id, received_id = res[1].decode().split(" ", 1)
+            return True, turn_id, received_id, extra
+        return False, message.turn_id, res[1].decode(), extra
+
+    async def enqueue(
+        self, sid: str, owner: str, entry: InboxMessage, *, also: Callable[[Pipeline], None]
+    ) -> list[Any]:
+        """Queue a compact or clear entry behind the session's turns, with `also` (the job) in
+        the same round trip. Returns the replies of `also`."""
+        k = SessionKeys(sid)
+        keys, args = [k.meta, k.inbox], [owner.encode(), _enc.encode(entry)]
+        _, extra = await self._with(
+            sid, owner=owner, script=self._enqueue, source=lua.ENQUEUE, keys=keys, args=args, also=also
+        )
+        return extra
+
+    async def _with(
+        self,
+        sid: str,
+        *,
+        owner: str,
+        script: Any,
+        source: str,
+        keys: list[str],
+        args: Sequence[str | bytes | int],
+        also: Callable[[Pipeline], None],
+    ) -> tuple[Any, list[Any]]:
+        """Run an owner-checked script and `also` in one pipeline. A session this process has
+        not seen is looked up first, so a request for an unknown one writes nothing."""
+        if self._known.get(sid) != owner:
+            if await self.redis.hget(SessionKeys(sid).meta, "owner") != owner.encode():
+                raise NotFound(f"no session {sid}", code="session_not_found")
+            self._remember(sid, owner)
         for attempt in range(2):
             # EVALSHA by hand: redis-py runs SCRIPT EXISTS before any pipeline holding a Script.
             async with self.redis.pipeline(transaction=False) as pipe:
-                pipe.evalsha(self._submit.sha, 4, k.meta, k.inbox, k.mids, k.outbox, *args)
+                pipe.evalsha(script.sha, len(keys), *keys, *args)
                 also(pipe)
                 replies: list[Any] = await pipe.execute(raise_on_error=False)
             if isinstance(replies[0], NoScriptError) and attempt == 0:
-                await self.redis.script_load(lua.SUBMIT)  # (the job added meanwhile is harmless)
+                await self.redis.script_load(source)  # (the job added meanwhile is harmless)
                 continue
             break
         for reply in replies:
             if isinstance(reply, Exception):
                 raise reply
-        res, extra = replies[0], replies[1:]
-        if res[0] == b"missing":  # sessions are never deleted: only an owner mismatch gets here
+        if replies[0][0] == b"missing":  # sessions are never deleted: only an owner mismatch gets here
             raise NotFound(f"no session {sid}", code="session_not_found")
-        if res[0] == b"dup":
-            turn_id, received_id = res[1].decode().split(" ", 1)
-            return True, turn_id, received_id, extra
-        return False, message.turn_id, res[1].decode(), extra
+        return replies[0], replies[1:]
 
     def _remember(self, sid: str, owner: str) -> None:
         """Sessions are never deleted, so one seen to exist stays known (a bounded memo)."""
@@ -201,6 +234,8 @@ class Store:
                 res[10][i].decode(): answer_decoder.decode(res[10][i + 1]) if res[10][i + 1] else None
                 for i in range(0, len(res[10]), 2)
             },
+            last_in=int(res[11][0] or 0),
+            last_est=int(res[11][1] or 0),
         )
 
     async def commit(
@@ -215,13 +250,17 @@ class Store:
         requests: Sequence[ApprovalRequest] = (),
         answers: Sequence[tuple[str, Answer]] = (),
         attempt: bool = False,
+        rebase: int | None = None,
     ) -> Committed:
         """Commit a step (mode "step"), the end of a turn ("final"), or a pause for the
         approval `requests` ("pause"). `answers` records answers the harness gives itself
-        (withdrawn requests of a cancelled turn). `attempt`: a model call follows; count it now."""
+        (withdrawn requests of a cancelled turn). `attempt`: a model call follows; count it now.
+        `rebase`: `items` become the whole active history (compaction, clear), the current
+        turn's items beginning at that offset in them."""
         k = SessionKeys(sid)
         waiting_on = " ".join(r.request_id for r in requests) if mode == "pause" else ""
-        args: list[Any] = [fence, turn_id, self.retention, COMMIT_MODE[mode], waiting_on, int(attempt), len(items)]
+        args: list[Any] = [fence, turn_id, self.retention, COMMIT_MODE[mode], waiting_on, int(attempt)]
+        args += ("" if rebase is None else rebase, len(items))
         args.extend(_enc.encode(item) for item in items)
         args.append(len(requests))
         for r in requests:
@@ -237,7 +276,10 @@ class Store:
         )
         if res[0] == b"stale":
             raise StaleLease(f"session {sid}: lease {fence} is no longer held")
-        self._cache.extend(sid, list(items), int(res[2]))
+        if rebase is None:
+            self._cache.extend(sid, list(items), int(res[2]))
+        else:
+            self._cache.put(sid, int(res[2]) - len(items), list(items))
         return Committed(
             event_ids=[i.decode() for i in res[1]],
             more=res[0] == b"more",
@@ -245,9 +287,20 @@ class Store:
             cancel=res[3] == b"1",
         )
 
-    async def record_usage(self, sid: str, turn_id: str, step: int, usage: Usage, *, failed: bool = False) -> str:
+    async def record_usage(
+        self,
+        sid: str,
+        turn_id: str,
+        step: int,
+        usage: Usage,
+        *,
+        failed: bool = False,
+        purpose: str = "turn",
+        estimate: int | None = None,
+    ) -> str:
         """Account one provider attempt, before its step commits (I5); a failed attempt too.
-        Returns the event id."""
+        `estimate`: keel's estimate of the request, kept with its reported input tokens (turn
+        calls only) for compaction's threshold. Returns the event id."""
         k = SessionKeys(sid)
         data: dict[str, Any] = {
             "step": step,
@@ -257,8 +310,10 @@ class Store:
         }
         if failed:
             data["failed"] = True
-        args: list[int | bytes] = [self.retention, usage.input_tokens, usage.output_tokens, usage.cached_tokens]
-        args.append(event_body(turn_id, data))
+        if purpose != "turn":
+            data["purpose"] = purpose
+        args: list[int | bytes | str] = [self.retention, usage.input_tokens, usage.output_tokens, usage.cached_tokens]
+        args += (event_body(turn_id, data), "" if estimate is None or failed else estimate)
         eid: bytes = await self._usage(keys=[k.meta, k.outbox], args=args)
         return eid.decode()
 

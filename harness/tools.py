@@ -32,7 +32,7 @@ class Tool:
         self.name = name or fn.__name__
         self.approval = approval
         self.is_async = inspect.iscoroutinefunction(fn)
-        hints = get_type_hints(fn)
+        hints = get_type_hints(fn, include_extras=True)  # keep Annotated limits
         fields: list[tuple[str, Any] | tuple[str, Any, Any]] = []
         self._context_param: str | None = None
         for pname, param in inspect.signature(fn).parameters.items():

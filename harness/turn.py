@@ -18,11 +18,14 @@ import msgspec
 
 from harness import failpoints
 from harness.agent import Agent
-from harness.errors import StaleLease
+from harness.compaction import Compactor, split
+from harness.errors import CallbackError, StaleLease
 from harness.ids import new_id
-from harness.models.base import ModelReply
-from harness.prompt import assemble, user_item
+from harness.models.base import ModelReply, ModelRequest
+from harness.prompt import assemble, new_input, user_item
+from harness.runtime import changed, newest_snapshot, snapshot_item
 from harness.store import Begun, Committed, Store, event_body
+from harness.tokens import request_tokens
 from harness.tools import ToolContext
 from harness.types import Answer, ApprovalRequest, Item, ToolCall, Usage
 
@@ -77,8 +80,16 @@ class TurnRunner:
         self.begun = begun
         self.message = begun.message
         self.turn_id = begun.message.turn_id
-        self.turn_items: list[Item] = [i for i in begun.turn_items if i.kind != "message" or i.role != "user"]
-        self.user_committed = len(begun.turn_items) > 0
+        self.history = begun.history  # active history before this turn (a compaction replaces it)
+        committed = begun.turn_items  # [snapshot][user item][outputs...] once the first step committed
+        user_at = next((n for n, i in enumerate(committed) if i.kind == "message" and i.role == "user"), -1)
+        self.user_committed = user_at >= 0
+        # this turn's runtime snapshot: committed with the user item, or read when the turn starts
+        self.snapshot = newest_snapshot(committed[:user_at]) if self.user_committed else None
+        self.turn_items: list[Item] = committed[user_at + 1 :] if self.user_committed else []
+        self.tail: list[Item] = []  # a snapshot re-read mid-run, shown but not stored
+        self._reread = False  # a step ran tools: read the runtime context again before the next call
+        self.last_in, self.last_est = begun.last_in, begun.last_est
         self._publish = publish
         # requests of this turn with no answer: those BEGIN found, and any this run commits
         self.open_requests = [rid for rid, answer in begun.answers.items() if answer is None]
@@ -88,6 +99,10 @@ class TurnRunner:
     async def run(self) -> Outcome:
         if self.begun.cancel:
             return await self.cancel()
+        if not self.user_committed and self.agent.runtime:
+            text = await self.agent.runtime.read()
+            if changed(text, newest_snapshot(self.history)):
+                self.snapshot = snapshot_item(self.turn_id, text or "", "rc")
         pending = self._unfinished_calls()
         outcome: StepOutcome = RunTools(pending) if pending is not None else await self._model_step()
         while True:
@@ -117,15 +132,15 @@ class TurnRunner:
         step = self._step()
         if step >= self.agent.max_steps:
             return await self.fail("max_steps", f"the turn used its {self.agent.max_steps} model steps")
-        request = assemble(
-            self.agent,
-            session_id=self.sid,
-            message=self.message,
-            history=self.begun.history,
-            sticky=self.begun.sticky,
-            turn_items=self.turn_items,
-            step=step,
-        )
+        if self._reread:
+            await self._refresh_tail()
+        try:
+            request = await self._request(step)
+            if self.agent.context_window is not None:
+                request = await self._maybe_compact(request, step)
+        except CallbackError as exc:
+            return await self.fail(exc.code, exc.message)
+        estimate = request_tokens(request) if self.agent.context_window is not None else None
         if not self.attempt_counted:
             await self.store.count_attempt(self.sid)  # before the call: a reply lost in a crash still counts
         self.attempt_counted = False
@@ -138,15 +153,73 @@ class TurnRunner:
             await self.store.record_usage(self.sid, self.turn_id, step, Usage(), failed=True)  # it may be billed
             return await self.fail("model_error", f"the model call failed: {type(exc).__name__}: {exc}")
         # The attempt is accounted before its step commits: a retried step shows both (I5).
-        await self.store.record_usage(self.sid, self.turn_id, step, reply.usage or Usage())
+        usage = reply.usage or Usage()
+        await self.store.record_usage(self.sid, self.turn_id, step, usage, estimate=estimate)
+        if estimate is not None:
+            self.last_in, self.last_est = usage.input_tokens, estimate
         return await self._commit_reply(reply)
+
+    async def _request(self, step: int) -> ModelRequest:
+        return await assemble(
+            system=self.agent.instructions,
+            tools=self.agent.tool_specs,
+            callback=self.agent.input_callback,
+            session_id=self.sid,
+            turn_id=self.turn_id,
+            step=step,
+            history=self.history,
+            fresh=new_input(self.message, self.begun.sticky, self.snapshot),
+            outputs=self.turn_items,
+            tail=self.tail,
+        )
+
+    async def _refresh_tail(self) -> None:
+        """After a step that ran tools: read the runtime context once more; a change is shown at
+        the request tail, not stored (the next user message persists it)."""
+        self._reread = False
+        text = await self.agent.runtime.read()
+        if text is not None:
+            newest = self.snapshot or newest_snapshot(self.history)
+            self.tail = [snapshot_item(self.turn_id, text, f"rt{self._step()}")] if changed(text, newest) else []
+
+    async def _maybe_compact(self, request: ModelRequest, step: int) -> ModelRequest:
+        """Compact before this call if the prompt (the provider's last count plus an estimate of
+        what changed since, plus the compaction envelope) passes the threshold (I8)."""
+        window, config = self.agent.context_window or 0, self.agent.compaction
+        estimate = request_tokens(request)
+        tokens = self.last_in + estimate - self.last_est if self.last_in else estimate
+        if not config.due(tokens, window) or not split(self.history, config.keep_turns).older:
+            return request  # under the threshold, or nothing older than the kept turns
+        compactor = Compactor(self.store, self.agent.model, config, self.sid, self.turn_id)
+        asked = self._event("compaction.requested", {"reason": "threshold", "tokens": tokens, "context_window": window})
+        events = [asked]
+        done = compactor.trimmed(self.history, tokens, window)
+        if done is None:
+            await self._commit([], events)  # announced before the summarizer runs
+            events = []
+            done = await compactor.summarized(self.history, step)
+        events.append(
+            self._event("compaction.completed", {"reason": "threshold", "tokens_before": tokens, **done.data})
+        )
+        if done.history is None:
+            await self._commit([], events)
+            return request
+        current = [*self._head(), user_item(self.message), *self.turn_items] if self.user_committed else []
+        await self._commit([*done.history, *current], events, rebase=len(done.history))
+        self.history = done.history
+        self.last_in = self.last_est = 0
+        return await self._request(step)
+
+    def _head(self) -> list[Item]:
+        """The turn's durable input before its user item: the runtime snapshot, if any."""
+        return [self.snapshot] if self.snapshot is not None else []
 
     async def _commit_reply(self, reply: ModelReply) -> StepOutcome:
         # keel's own call ids, always: a provider's may repeat (call_0 in every response), and the
         # id is the request id's root and the tools' idempotency key.
         calls = tuple(ToolCall(c.name, c.arguments, new_id("call")) for c in reply.tool_calls)
         item = Item(id=new_id("it"), role="assistant", text=reply.text, turn_id=self.turn_id, tool_calls=calls)
-        items = [] if self.user_committed else [user_item(self.message)]
+        items = [] if self.user_committed else [*self._head(), user_item(self.message)]
         items.append(item)
         events: list[tuple[str, bytes]] = []
         if reply.text:
@@ -230,6 +303,7 @@ class TurnRunner:
             if committed.cancel:
                 return Cancel()
             self.attempt_counted = model_next
+        self._reread = bool(self.agent.runtime)
         return None
 
     async def _invoke(self, call: ToolCall) -> tuple[str, bool]:
@@ -255,13 +329,14 @@ class TurnRunner:
         event = self._event(
             "turn.failed", {"message_id": self.message.message_id, "error": {"code": code, "message": message}}
         )
-        committed = await self._commit([] if self.user_committed else [user_item(self.message)], [event], mode="final")
+        items = [] if self.user_committed else [*self._head(), user_item(self.message)]
+        committed = await self._commit(items, [event], mode="final")
         return Final(more=committed.more)
 
     async def cancel(self) -> Final:
         """End the turn as cancelled: open requests withdrawn, every call without a result
         answered with an error result (a tool call is never left without its result)."""
-        items: list[Item] = [] if self.user_committed else [user_item(self.message)]
+        items: list[Item] = [] if self.user_committed else [*self._head(), user_item(self.message)]
         events: list[tuple[str, bytes]] = []
         # (each emits input.resolved if, and only if, it is not already answered)
         withdrawn = [(rid, Answer("withdrawn", "the turn was cancelled")) for rid in self.open_requests]
@@ -296,6 +371,7 @@ class TurnRunner:
         answers: list[tuple[str, Answer]] | None = None,
         after: str | None = None,
         attempt: bool = False,
+        rebase: int | None = None,
     ) -> Committed:
         try:
             committed = await self.store.commit(
@@ -308,6 +384,7 @@ class TurnRunner:
                 requests=requests or (),
                 answers=answers or (),
                 attempt=attempt,
+                rebase=rebase,
             )
         except StaleLease:
             log.warning("session %s turn %s: lease lost, stopping", self.sid, self.turn_id)

@@ -12,8 +12,12 @@ import msgspec
 
 Role = Literal["user", "assistant", "tool"]
 # "message": a user message or a model reply; "tool_result": a tool's answer;
-# "context": page context (never stored); "sticky": keyed page context (stored beside history).
-ItemKind = Literal["message", "tool_result", "context", "sticky"]
+# "context": page context (never stored); "sticky": keyed page context (stored beside history);
+# "runtime": a runtime-context snapshot; "summary": compaction's summary of earlier turns;
+# "todo": the todo list, re-injected after a summary.
+ItemKind = Literal["message", "tool_result", "context", "sticky", "runtime", "summary", "todo"]
+# What an inbox entry asks for: a user message's turn, or a manual compaction or clear.
+EntryKind = Literal["message", "compact", "clear"]
 SessionStatus = Literal["idle", "running", "waiting"]
 
 
@@ -53,11 +57,13 @@ PageContext = str | list[str] | dict[str, str | None] | None
 
 
 class InboxMessage(msgspec.Struct, frozen=True, omit_defaults=True):
-    """A user message waiting for (or in) its turn. Lives in the session inbox, not in history."""
+    """A user message waiting for (or in) its turn, or a compact/clear queued behind the turns
+    before it (`kind`; no text, no user item). Lives in the session inbox, not in history."""
 
     message_id: str
     turn_id: str
-    text: str
+    text: str = ""
+    kind: EntryKind = "message"
     received_id: str = ""  # outbox id of its message.received event (set by the submit script)
     context: list[str] = []  # this turn only
     sticky: dict[str, str | None] = {}  # keyed updates, applied when the turn begins

@@ -18,7 +18,13 @@ class ToolSpec(msgspec.Struct, frozen=True):
 
 
 class ModelRequest(msgspec.Struct, frozen=True):
-    """Everything one model call sees. `messages` is history + page context + this turn."""
+    """Everything one model call sees. `messages` is history + page context + this turn.
+
+    `cache_breakpoints` says where a provider with prompt caching should mark the end of a
+    stable prefix: 0 is the end of the tools + system block (the same bytes in every request of
+    the session), k > 0 the end of `messages[k - 1]` (the last item of durable history before
+    this turn, which the next turn's request repeats unchanged). `purpose` is "turn" for a
+    turn's model call and "compaction" for a summary of older turns."""
 
     system: str
     tools: tuple[ToolSpec, ...]
@@ -26,6 +32,8 @@ class ModelRequest(msgspec.Struct, frozen=True):
     session_id: str = ""
     turn_id: str = ""
     step: int = 0
+    cache_breakpoints: tuple[int, ...] = (0,)
+    purpose: str = "turn"
 
 
 class ModelReply(msgspec.Struct, frozen=True):

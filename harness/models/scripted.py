@@ -7,25 +7,10 @@ import inspect
 from collections.abc import Awaitable, Callable
 
 from harness.models.base import ModelReply, ModelRequest
+from harness.tokens import estimate_tokens, request_tokens
 from harness.types import Usage
 
 ScriptFn = Callable[[ModelRequest], ModelReply | Awaitable[ModelReply]]
-
-
-def estimate_tokens(text: str) -> int:
-    """A rough token count (4 characters a token), the same everywhere keel estimates."""
-    return (len(text) + 3) // 4
-
-
-def request_tokens(request: ModelRequest) -> int:
-    n = estimate_tokens(request.system)
-    for spec in request.tools:
-        n += estimate_tokens(spec.name) + estimate_tokens(spec.description) + 8
-    for item in request.messages:
-        n += estimate_tokens(item.text) + 4
-        for call in item.tool_calls:
-            n += estimate_tokens(call.name) + 8 + len(call.arguments) * 4
-    return n
 
 
 class ScriptedModel:
