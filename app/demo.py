@@ -24,8 +24,17 @@ def utc_time() -> str:
     return datetime.now(UTC).isoformat(timespec="seconds")
 
 
+def today() -> str:
+    """Runtime context: today's date travels as a snapshot in history (written when it changes),
+    never in the system prompt, so the prompt prefix stays cached across midnight."""
+    return datetime.now(UTC).date().isoformat()
+
+
 def _reply(request: ModelRequest) -> ModelReply:
-    last = request.messages[-1]
+    if request.purpose == "compaction":  # summarize: the demo keeps what the user said
+        said = [line[6:] for line in request.messages[-1].text.splitlines() if line.startswith("user: ")]
+        return ModelReply(text="Earlier the user said: " + "; ".join(said))
+    last = next(m for m in reversed(request.messages) if m.kind != "runtime")
     if last.role == "tool":
         return ModelReply(text=f"The {last.tool_name} tool says: {last.text}")
     text = last.text
@@ -45,4 +54,6 @@ agent = Agent(
     instructions="You are keel's demo agent. Answer briefly.",
     tools=[add, utc_time],
     model=ScriptedModel(_reply, keep=0),
+    runtime_context=[today],
+    context_window=32_000,  # compacts automatically near 90% of this (and on POST .../compact)
 )

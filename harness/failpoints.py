@@ -7,7 +7,7 @@ reaches a named point. Unset in production: `reached` is then one set lookup on 
 Points: step.before_commit, step.after_commit (committed, nothing published yet),
 outbox.after_publish (the first event of a commit written to a client), response.after_accept
 (an answer accepted, the resume not yet started), tool.after_run (a tool returned, its result not
-committed)."""
+committed), compaction.before_commit (a summary returned, the compacted history not committed)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,14 @@ import os
 import sys
 
 NAMES = frozenset(
-    {"step.before_commit", "step.after_commit", "outbox.after_publish", "response.after_accept", "tool.after_run"}
+    {
+        "step.before_commit",
+        "step.after_commit",
+        "outbox.after_publish",
+        "response.after_accept",
+        "tool.after_run",
+        "compaction.before_commit",
+    }
 )
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from harness import failpoints
 from harness.agent import Agent
 from harness.compaction import Compactor
 from harness.store import Begun, Store, event_body
@@ -38,6 +39,7 @@ class OpRunner:
             rebase = done.history
             events = [self._event("compaction.completed", {"reason": "manual", **done.data})]
         events.append(self._event("session.waiting", {}))
+        failpoints.reached("compaction.before_commit")
         committed = await self.store.commit(
             self.sid,
             self.begun.fence,

@@ -205,6 +205,7 @@ class TurnRunner:
             await self._commit([], events)
             return request
         current = [*self._head(), user_item(self.message), *self.turn_items] if self.user_committed else []
+        failpoints.reached("compaction.before_commit")
         await self._commit([*done.history, *current], events, rebase=len(done.history))
         self.history = done.history
         self.last_in = self.last_est = 0

@@ -8,6 +8,7 @@ import json
 import os
 
 from harness import Agent, ToolContext, tool
+from harness.compaction import Compaction
 from harness.models import ModelReply, ModelRequest, ScriptedModel, ToolCall, Usage
 
 
@@ -24,7 +25,9 @@ def charge(amount: int, ctx: ToolContext) -> str:
 
 
 def script(request: ModelRequest) -> ModelReply:
-    log({"model": request.step, "turn": request.turn_id})
+    log({"model": request.step, "turn": request.turn_id, "purpose": request.purpose})
+    if request.purpose == "compaction":
+        return ModelReply(text="SUMMARY", usage=Usage(input_tokens=50, output_tokens=5))
     last = request.messages[-1]
     usage = Usage(input_tokens=10, output_tokens=1)
     if last.role == "user" and last.text.startswith("pay "):
@@ -35,3 +38,18 @@ def script(request: ModelRequest) -> ModelReply:
 
 
 agent = Agent(instructions="You charge cards when asked.", tools=[charge], model=ScriptedModel(script, keep=0))
+
+
+def estimated(reply: ModelReply) -> ModelReply:
+    """The reply without its fixed usage: ScriptedModel estimates it, so the prompt is seen to grow."""
+    return ModelReply(text=reply.text, tool_calls=reply.tool_calls)
+
+
+# The same model with a small window: every few turns it compacts (tests/crash/test_compaction_crash.py).
+compacting = Agent(
+    instructions="You charge cards when asked.",
+    tools=[charge],
+    model=ScriptedModel(lambda r: estimated(script(r)), keep=0),
+    context_window=400,
+    compaction=Compaction(keep_turns=1),
+)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import re
 from typing import Any
 
 from app import load_agent
@@ -19,3 +21,19 @@ async def test_the_demo_answers_uses_its_tools_and_names_context_without_quoting
     clock = await h.wait_turn(await h.submit(sid, "anon", "what time is it?"), 10)
     assert (clock.reply or "").startswith("The utc_time tool says: 20")
     assert not any("/secret/path" in i.text for i in await h.history(sid, "anon"))
+
+
+async def test_the_demo_compacts_on_request_keeping_what_the_user_said(make_harness: Any) -> None:
+    h = await make_harness(load_agent("app.demo:agent"))
+    sid = await h.create_session("anon")
+    for text in ("my name is Ada", "I like tea", "what now", "and then"):
+        await h.wait_turn(await h.submit(sid, "anon", text), 10)
+    await h.compact(sid, "anon")
+    async with asyncio.timeout(10):
+        async for event in h.tail(sid, "0-0", heartbeat=1.0):
+            if event is not None and event.type == "session.waiting":
+                break
+    history = await h.history(sid, "anon")
+    assert history[0].kind == "summary" and history[0].text.endswith("my name is Ada; I like tea")
+    assert history[1].kind == "runtime" and re.search(r"\ntoday: \d{4}-\d\d-\d\d$", history[1].text)
+    assert [i.text for i in history[2:] if i.role == "user"] == ["what now", "and then"]

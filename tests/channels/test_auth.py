@@ -22,8 +22,9 @@ async def test_sessions_are_isolated_between_keys(serve: Any) -> None:
         for path in ("", "/history", "/events"):
             r = await bob.get(f"/v1/sessions/{sid}{path}")
             assert r.status_code == 404 and r.json()["error"]["code"] == "session_not_found"
-        r = await bob.post(f"/v1/sessions/{sid}/messages", json={"text": "intrude"})
-        assert r.status_code == 404
+        for path, body in (("/messages", {"text": "intrude"}), ("/compact", {}), ("/clear", {}), ("/cancel", {})):
+            r = await bob.post(f"/v1/sessions/{sid}{path}", json=body)
+            assert r.status_code == 404, path
         r = await anon.get(f"/v1/sessions/{sid}")
         assert r.status_code == 401 and r.json()["error"]["code"] == "unauthorized"
         async with live.client("key-wrong") as wrong:

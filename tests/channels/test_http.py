@@ -134,6 +134,12 @@ async def test_bad_messages_get_4xx_and_change_nothing(
         ("POST", "/v1/sessions", b'{"metadata": []}', 400, "invalid_request"),
         ("POST", "/v1/sessions", b'{"meta": {}}', 400, "invalid_request"),
         ("DELETE", "/v1/sessions/{sid}", b"", 405, "method_not_allowed"),
+        ("POST", "/v1/sessions/{sid}/compact", b'{"now": true}', 400, "invalid_request"),
+        ("POST", "/v1/sessions/{sid}/clear", b"[1]", 400, "invalid_request"),
+        ("POST", "/v1/sessions/{sid}/clear", b"{nope", 400, "invalid_json"),
+        ("POST", "/v1/sessions/ses_00000000000000000000000000/compact", b"", 404, "session_not_found"),
+        ("POST", "/v1/sessions/ses_00000000000000000000000000/clear", b"{}", 404, "session_not_found"),
+        ("GET", "/v1/sessions/{sid}/clear", b"", 405, "method_not_allowed"),
         ("GET", "/v1/nothing-here", b"", 404, "not_found"),
     ],
 )
