@@ -18,6 +18,8 @@ from app.settings import Settings
 from channels.auth import ApiKeyAuth
 from channels.errors import http_error_handler, keel_error_handler, redis_error_handler
 from channels.http import routes
+from channels.tokens import TokenSigner
+from channels.websocket import WsConfig, WsStats
 from harness import Agent, Harness
 from harness.errors import KeelError
 
@@ -70,6 +72,8 @@ def create_app(
         )
         await harness.start()
         app.state.harness = harness
+        secret = settings.token_secret.encode() if settings.token_secret else await harness.shared_secret()
+        app.state.tokens = TokenSigner(secret, settings.token_ttl)
         try:
             yield
         finally:
@@ -89,4 +93,12 @@ def create_app(
     app.state.max_body = settings.max_body
     app.state.wait_timeout = settings.wait_timeout
     app.state.sse_heartbeat = settings.sse_heartbeat
+    app.state.ws_stats = WsStats()
+    app.state.ws = WsConfig(
+        max_frame=settings.ws_max_frame,
+        heartbeat=settings.ws_heartbeat,
+        send_queue=settings.ws_send_queue,
+        slow_s=settings.ws_slow_s,
+        origins=settings.allowed_origins,
+    )
     return app

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+from typing import Any
 
 import uvicorn
 from redis.exceptions import RedisError
@@ -38,6 +39,20 @@ def prepare(settings: Settings) -> tuple[str, EmbeddedValkey | None]:
     return settings.redis_url, None
 
 
+def uvicorn_options(settings: Settings) -> dict[str, Any]:
+    """How uvicorn serves keel. Websockets: the sans-I/O implementation (flow control on send,
+    keepalive pings, 1012 on shutdown), frames refused past the size limit (1009)."""
+    return {
+        "log_level": settings.log_level,
+        "timeout_graceful_shutdown": 5,
+        "ws": "websockets-sansio",
+        "ws_max_size": settings.ws_max_frame,
+        "ws_ping_interval": 20.0,
+        "ws_ping_timeout": 20.0,
+        "ws_per_message_deflate": False,  # memory per idle connection, and CPU
+    }
+
+
 def main() -> int:
     try:
         settings = Settings.from_env()
@@ -54,9 +69,7 @@ def main() -> int:
         return 1
     try:
         app = create_app(settings, redis_url=url)
-        uvicorn.run(
-            app, host=settings.host, port=settings.port, log_level=settings.log_level, timeout_graceful_shutdown=5
-        )
+        uvicorn.run(app, host=settings.host, port=settings.port, **uvicorn_options(settings))
     finally:
         if embedded is not None:
             embedded.stop()

@@ -40,6 +40,15 @@ def _float(env: dict[str, str], name: str, default: float) -> float:
     return value
 
 
+def _flag(env: dict[str, str], name: str, *, default: bool) -> bool:
+    raw = (env.get(name) or "").lower()
+    if raw == "":
+        return default
+    if raw not in ("1", "0", "true", "false"):
+        raise SettingsError(f"{name} must be 1 or 0")
+    return raw in ("1", "true")
+
+
 def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -65,14 +74,19 @@ class Settings:
     wait_timeout: float = 60.0
     sse_heartbeat: float = 15.0
     log_level: str = "info"
+    ws_max_frame: int = 65_536
+    ws_heartbeat: float = 15.0
+    ws_send_queue: int = 256
+    ws_slow_s: float = 10.0
+    allowed_origins: tuple[str, ...] = ()
+    token_secret: str | None = field(default=None, repr=False)
+    token_ttl: int = 900
+    demo_page: bool = True
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> Settings:
         env = dict(os.environ) if env is None else env
         keys = tuple(k.strip() for k in env.get("KEEL_API_KEYS", "").split(",") if k.strip())
-        run_turns = env.get("KEEL_RUN_TURNS", "1").lower()
-        if run_turns not in ("1", "0", "true", "false"):
-            raise SettingsError("KEEL_RUN_TURNS must be 1 or 0")
         settings = cls(
             host=env.get("KEEL_HOST") or "127.0.0.1",
             port=_int(env, "KEEL_PORT", 8000, low=0),
@@ -81,13 +95,21 @@ class Settings:
             agent=env.get("KEEL_AGENT") or DEMO_AGENT,
             api_keys=keys,
             max_body=_int(env, "KEEL_MAX_BODY_BYTES", 1_048_576),
-            run_turns=run_turns in ("1", "true"),
+            run_turns=_flag(env, "KEEL_RUN_TURNS", default=True),
             runner_concurrency=_int(env, "KEEL_RUNNER_CONCURRENCY", 64),
             lease_ms=_int(env, "KEEL_LEASE_MS", 5_000, low=500),
             event_retention=_int(env, "KEEL_EVENT_RETENTION", 10_000, low=100),
             wait_timeout=_float(env, "KEEL_WAIT_TIMEOUT", 60.0),
             sse_heartbeat=_float(env, "KEEL_SSE_HEARTBEAT", 15.0),
             log_level=(env.get("KEEL_LOG_LEVEL") or "info").lower(),
+            ws_max_frame=_int(env, "KEEL_WS_MAX_FRAME", 65_536, low=1024),
+            ws_heartbeat=_float(env, "KEEL_WS_HEARTBEAT", 15.0),
+            ws_send_queue=_int(env, "KEEL_WS_SEND_QUEUE", 256),
+            ws_slow_s=_float(env, "KEEL_WS_SLOW_S", 10.0),
+            allowed_origins=tuple(o.strip() for o in env.get("KEEL_ALLOWED_ORIGINS", "").split(",") if o.strip()),
+            token_secret=env.get("KEEL_TOKEN_SECRET") or None,
+            token_ttl=_int(env, "KEEL_TOKEN_TTL", 900, low=10),
+            demo_page=_flag(env, "KEEL_DEMO_PAGE", default=not keys),
         )
         if not settings.api_keys and not is_loopback(settings.host):
             raise SettingsError(

@@ -11,7 +11,7 @@ import msgspec
 from redis.exceptions import RedisError
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Route, WebSocketRoute
 
 from channels.errors import ChannelError, error_response
 from channels.types import (
@@ -166,6 +166,16 @@ async def _operation(request: Request, kind: Literal["compact", "clear"]) -> Res
     return json_response({"session_id": sid, "turn_id": op_id}, 202)
 
 
+async def mint_token(request: Request) -> Response:
+    """A short-lived token for a browser to open this session's websocket with (`?token=`)."""
+    sid = request.path_params["sid"]
+    decode(empty_decoder, await read_body(request), empty_ok=True)
+    owner = owner_of(request)
+    await harness_of(request).check_owner(sid, owner)
+    token, expires_at = request.app.state.tokens.mint(sid, owner)
+    return json_response({"token": token, "expires_at": expires_at}, 201)
+
+
 async def get_session(request: Request) -> Response:
     info = await harness_of(request).session(request.path_params["sid"], owner_of(request))
     return json_response(info)
@@ -204,8 +214,9 @@ async def readyz(request: Request) -> Response:
     return json_response({"ok": True})
 
 
-def routes() -> list[Route]:
+def routes() -> list[BaseRoute]:
     from channels.sse import stream_events
+    from channels.websocket import session_socket
 
     return [
         Route("/healthz", healthz, methods=["GET"]),
@@ -219,4 +230,6 @@ def routes() -> list[Route]:
         Route("/v1/sessions/{sid}/compact", compact, methods=["POST"]),
         Route("/v1/sessions/{sid}/clear", clear, methods=["POST"]),
         Route("/v1/sessions/{sid}/events", stream_events, methods=["GET"]),
+        Route("/v1/sessions/{sid}/tokens", mint_token, methods=["POST"]),
+        WebSocketRoute("/v1/sessions/{sid}/ws", session_socket),
     ]

@@ -34,7 +34,44 @@ class Empty(msgspec.Struct, forbid_unknown_fields=True):
     """A command that takes no fields (compact, clear): an empty body or {}."""
 
 
+# ---- websocket client frames: {"type": ..., ...}; `ref` (optional) is echoed in an error frame
+
+
+class WsMessage(msgspec.Struct, tag="message", tag_field="type", forbid_unknown_fields=True):
+    text: Text
+    context: ContextValue = None
+    message_id: str | None = None
+    ref: str | None = None
+
+
+class WsRespond(msgspec.Struct, tag="respond", tag_field="type", forbid_unknown_fields=True):
+    request_id: str
+    decision: str
+    reason: str = ""
+    ref: str | None = None
+
+
+class WsCancel(msgspec.Struct, tag="cancel", tag_field="type", forbid_unknown_fields=True):
+    turn_id: str | None = None
+    ref: str | None = None
+
+
+class WsCompact(msgspec.Struct, tag="compact", tag_field="type", forbid_unknown_fields=True):
+    ref: str | None = None
+
+
+class WsClear(msgspec.Struct, tag="clear", tag_field="type", forbid_unknown_fields=True):
+    ref: str | None = None
+
+
+class WsPing(msgspec.Struct, tag="ping", tag_field="type", forbid_unknown_fields=True):
+    ref: str | None = None
+
+
+WsFrame = WsMessage | WsRespond | WsCancel | WsCompact | WsClear | WsPing
+
 create_session_decoder = msgspec.json.Decoder(CreateSession)
+ws_frame_decoder = msgspec.json.Decoder(WsFrame)
 empty_decoder = msgspec.json.Decoder(Empty)
 cancel_decoder = msgspec.json.Decoder(Cancel)
 respond_decoder = msgspec.json.Decoder(Respond)

@@ -85,7 +85,9 @@ class Split(NamedTuple):
 
 def split(history: Sequence[Item], keep_turns: int) -> Split:
     """History before the current turn, cut on turn boundaries. Re-injected todo lists are left
-    out (the newest one is derived again from the whole history)."""
+    out (the newest one is derived again from the whole history). Only a group with a message
+    or a tool result is a turn: a snapshot restored after a summary (which keeps its old turn
+    id) is not one, so it is never all there is to summarize."""
     previous: Item | None = None
     groups: list[list[Item]] = []
     for item in history:
@@ -96,7 +98,10 @@ def split(history: Sequence[Item], keep_turns: int) -> Split:
                 groups[-1].append(item)
             else:
                 groups.append([item])
-    cut = max(len(groups) - keep_turns, 0)
+    turns = [n for n, g in enumerate(groups) if any(i.kind in ("message", "tool_result") for i in g)]
+    if len(turns) <= keep_turns:
+        return Split(previous, [], [i for g in groups for i in g])
+    cut = turns[len(turns) - keep_turns] if keep_turns else len(groups)
     return Split(previous, [i for g in groups[:cut] for i in g], [i for g in groups[cut:] for i in g])
 
 
@@ -104,7 +109,9 @@ def trim(older: Sequence[Item], limit: int) -> dict[str, Item]:
     """Shortened copies (same ids) of the tool results in `older` longer than `limit`."""
     out: dict[str, Item] = {}
     for item in older:
-        if item.role == "tool" and len(item.text) > limit and not _TRIMMED.search(item.text):
+        if item.role != "tool" or item.tool_name == "todo":  # the todo list is state, kept whole
+            continue
+        if len(item.text) > limit and not _TRIMMED.search(item.text):
             cut = len(item.text) - limit
             text = f"{item.text[:limit]}\n[... {cut} characters trimmed by compaction ...]"
             out[item.id] = msgspec.structs.replace(item, text=text)

@@ -15,6 +15,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 
+from harness.aio import cancel_and_wait
 from harness.ids import stream_key
 from harness.keys import SessionKeys
 
@@ -35,9 +36,11 @@ class Watch:
         self._flag.set()
 
     async def wait(self, timeout: float) -> bool:
-        """True if woken, False on timeout."""
+        """True if woken, False on timeout. (asyncio.timeout, not wait_for: on Python 3.11
+        wait_for swallows a cancellation that arrives as the event is set.)"""
         try:
-            await asyncio.wait_for(self._flag.wait(), timeout)
+            async with asyncio.timeout(timeout):
+                await self._flag.wait()
         except TimeoutError:
             return False
         self._flag.clear()
@@ -110,9 +113,7 @@ class EventHub:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait([self._task])
             self._task = None
 
     async def _poll(self) -> None:

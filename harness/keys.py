@@ -6,6 +6,7 @@ from __future__ import annotations
 PREFIX = "keel"
 JOBS = f"{PREFIX}:{{jobs}}:stream"  # turn jobs: "session <id> has work"; consumer group below
 JOBS_GROUP = "runners"
+TOKEN_SECRET = f"{PREFIX}:{{config}}:token-secret"  # string: made once, shared by every process
 
 
 class SessionKeys:

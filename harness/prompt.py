@@ -22,13 +22,16 @@ every call of the turn and never stored.
 
 from __future__ import annotations
 
+import copy
 import inspect
 from collections.abc import Awaitable, Callable, Sequence
+
+import msgspec
 
 from harness.context import context_items
 from harness.errors import CallbackError
 from harness.models.base import ModelRequest, ToolSpec
-from harness.types import InboxMessage, Item
+from harness.types import InboxMessage, Item, ToolCall
 
 InputCallback = Callable[[list[Item], list[Item]], list[Item] | Awaitable[list[Item]]]
 
@@ -70,7 +73,7 @@ async def assemble(
     if callback is None:
         messages = [*history, *fresh]
     else:
-        messages = await _call(callback, list(history), list(fresh))
+        messages = await _call(callback, [_private(i) for i in history], [_private(i) for i in fresh])
     stable = _stable(messages, history, callback is not None)
     messages.extend(outputs)
     messages.extend(tail)
@@ -83,6 +86,15 @@ async def assemble(
         step=step,
         cache_breakpoints=(0, stable) if stable else (0,),
     )
+
+
+def _private(item: Item) -> Item:
+    """The item for the callback to keep or change: Items are frozen, but a tool call's
+    arguments are a dict, and the originals are the cached (and committed) history."""
+    if not item.tool_calls:
+        return item
+    calls = tuple(ToolCall(c.name, copy.deepcopy(c.arguments), c.id) for c in item.tool_calls)
+    return msgspec.structs.replace(item, tool_calls=calls)
 
 
 async def _call(callback: InputCallback, history: list[Item], fresh: list[Item]) -> list[Item]:

@@ -15,6 +15,7 @@ import logging
 from collections.abc import Callable
 
 from harness.agent import Agent
+from harness.aio import cancel_and_wait
 from harness.errors import StaleLease
 from harness.ids import stream_key
 from harness.ops import OpRunner
@@ -67,12 +68,7 @@ class Runner:
     async def stop(self) -> None:
         """Stop taking jobs and cancel running turns. Their leases expire; unacknowledged jobs
         stay pending, and another runner (or this process restarted) takes them up."""
-        tasks = [t for t in (self._main, *self._tasks) if t is not None]
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        await cancel_and_wait(t for t in (self._main, *self._tasks) if t is not None)
         if self._acking is not None:
             with contextlib.suppress(Exception):
                 await self._acking

@@ -236,6 +236,10 @@ class Harness:
         check_session_id(sid)
         return await self.store.history(sid, owner, offset, limit)
 
+    async def shared_secret(self) -> bytes:
+        """A secret every process of this deployment shares (for signing browser tokens)."""
+        return await self.store.shared_secret()
+
     async def check_owner(self, sid: str, owner: str) -> None:
         check_session_id(sid)
         await self.store.meta(sid, owner)
@@ -315,7 +319,8 @@ class Harness:
                 read = True
 
         try:
-            return await asyncio.wait_for(collect(), timeout)
+            async with asyncio.timeout(timeout):
+                return await collect()
         except TimeoutError:
             return TurnResult(session_id=sid, message_id=result.message_id, status="pending", reply=None, events=events)
 

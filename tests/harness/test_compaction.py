@@ -341,3 +341,78 @@ async def test_compact_and_clear_queue_behind_queued_messages_in_order(make_harn
     assert [i.kind for i in history] == ["summary"]
     (request,) = summaries(model)
     assert "user: b" in request.messages[-1].text and "user: a" not in request.messages[-1].text
+
+
+async def test_a_restored_snapshot_is_not_a_turn_to_summarize_again(make_harness: Any) -> None:
+    def branch() -> str:
+        return "main"
+
+    @tool
+    def read(part: int) -> str:
+        """Read a part of a long file."""
+        return f"part {part}: " + "p" * 600
+
+    def script(r: ModelRequest) -> ModelReply:
+        if r.purpose == "compaction":
+            return ModelReply(text="SUMMARY")
+        if (r.messages[-1].kind == "message" and r.messages[-1].text == "read all") or r.step in range(1, 5):
+            return ModelReply(tool_calls=[ToolCall("read", {"part": r.step})])
+        return ModelReply(text="ok")
+
+    model = ScriptedModel(script)
+    agent = Agent(
+        instructions="t",
+        tools=[read],
+        model=model,
+        runtime_context=[branch],
+        context_window=700,
+        compaction=Compaction(keep_turns=1, tool_result_chars=5_000),
+    )
+    h = await make_harness(agent)
+    sid = await h.create_session("anon")
+    for text in ("one " + "a" * 300, "two " + "b" * 300):
+        await run_turn(h, sid, text)
+    await run_turn(h, sid, "read all")  # every step of this turn is over the threshold
+    assert len(summaries(model)) == 1  # once: the restored snapshot alone is nothing to summarize
+    assert "user: one" in summaries(model)[0].messages[-1].text
+
+
+async def test_a_long_todo_list_is_never_trimmed() -> None:
+    from harness.compaction import trim
+    from harness.models import Item
+
+    todo = Item(id="r1", role="tool", text="[todo list]\n" + "- [ ] step\n" * 400, kind="tool_result", tool_name="todo")
+    other = Item(id="r2", role="tool", text="x" * 5_000, kind="tool_result", tool_name="fetch")
+    assert set(trim([todo, other], 200)) == {"r2"}
+
+
+async def test_a_cancel_during_compaction_ends_the_turn(make_harness: Any) -> None:
+    summarizing_now, release = asyncio.Event(), asyncio.Event()
+
+    async def script(r: ModelRequest) -> ModelReply:
+        if r.purpose == "compaction":
+            summarizing_now.set()
+            await release.wait()
+            return ModelReply(text="SUMMARY")
+        return ModelReply(text="ok " + "o" * 200)
+
+    model = ScriptedModel(script)
+    h = await make_harness(
+        Agent(instructions="t", model=model, context_window=400, compaction=Compaction(keep_turns=1))
+    )
+    sid = await h.create_session("anon")
+    n = 0
+    results = []
+    while not summarizing_now.is_set():
+        n += 1
+        res = await h.submit(sid, "anon", f"m{n} " + "m" * 200)
+        results.append(res)
+        done = asyncio.create_task(h.wait_turn(res, 10))
+        await asyncio.wait({done, asyncio.create_task(summarizing_now.wait())}, return_when=asyncio.FIRST_COMPLETED)
+        assert n < 20
+    turns_before = len(turn_requests(model))
+    assert await h.cancel(sid, "anon") == results[-1].turn_id
+    release.set()
+    turn = await h.wait_turn(results[-1], 10)
+    assert turn.status == "cancelled"
+    assert len(turn_requests(model)) == turns_before  # no model call after the cancel

@@ -4,6 +4,7 @@ model is shown exactly what the callback returned."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import random
 from dataclasses import dataclass, field
@@ -14,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from harness import Agent, tool
+from harness.compaction import Compaction
 from harness.models import Item, ModelReply, ModelRequest, ScriptedModel, ToolCall
 
 OPS = ("repeat", "pop", "reorder", "filter", "deepcopy", "reconstruct", "drop_new", "invent", "none")
@@ -151,3 +153,35 @@ def agent_for(plan: Plan, model: ScriptedModel) -> Agent:
         return plan.turn.branch
 
     return Agent(instructions="t", tools=[ping], model=model, runtime_context=[branch], input_callback=either)
+
+
+async def test_a_callback_that_edits_tool_arguments_in_place_changes_nothing_stored(make_harness: Any) -> None:
+    def redact(history: list[Item], fresh: list[Item]) -> list[Item]:
+        for item in history:
+            for call in item.tool_calls:
+                call.arguments["n"] = -1  # in place: a dict inside a frozen Item
+        return history + fresh
+
+    def script(r: ModelRequest) -> ModelReply:
+        if r.step == 0 and r.messages[-1].text == "go":
+            return ModelReply(tool_calls=[ToolCall("ping", {"n": 7})])
+        return ModelReply(text="ok")
+
+    model = ScriptedModel(script)
+    agent = Agent(
+        instructions="t", tools=[ping], model=model, input_callback=redact, compaction=Compaction(keep_turns=3)
+    )
+    h = await make_harness(agent)
+    sid = await h.create_session("anon")
+    for text in ("first", "go", "again", "once more"):  # compact keeps the last three turns verbatim
+        assert (await h.wait_turn(await h.submit(sid, "anon", text), 10)).status == "completed"
+    stored = await h.history(sid, "anon")
+    assert [c.arguments for i in stored for c in i.tool_calls] == [{"n": 7}]
+    assert model.requests[-1].messages[3].tool_calls[0].arguments == {"n": -1}  # the model saw the edit
+    await h.compact(sid, "anon")
+    async with asyncio.timeout(10):
+        async for event in h.tail(sid, "0-0", heartbeat=1.0):
+            if event is not None and event.type == "session.waiting":
+                break
+    raw = await h.redis.lrange(f"keel:{{{sid}}}:history", 0, -1)
+    assert not any(b'"n":-1' in r for r in raw)  # nor did the edit reach Redis through a rebase

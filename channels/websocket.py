@@ -1,0 +1,212 @@
+"""The websocket channel: `GET /v1/sessions/{id}/ws[?after=<event id>][&token=...]`.
+
+Server frames are the session's event envelopes, byte for byte as SSE sends them (same ids), in
+outbox order, starting after `after` (from the first event without it): a client that
+reconnects with the last id it saw misses nothing and sees nothing twice, across restarts too.
+Besides them: `{"type": "error", "error": {"code", "message"}, "ref"}` for a bad frame (the
+connection stays), `{"type": "heartbeat", "at"}` after `heartbeat` seconds without a frame,
+and `{"type": "pong", "ref"}`.
+
+Client frames (JSON text): message, respond, cancel, compact, clear, ping (`channels.types`).
+
+Close codes: 4401 no valid key or token, 4403 origin not allowed, 4404 unknown session (or
+another owner's), 4400 a bad `after`, 1009 a frame over the size limit, 1003 a binary frame,
+1008 too many bad frames in a row, 1013 the client does not read fast enough (its send queue
+stayed full), 1012 the server is restarting (sent by uvicorn on shutdown: reconnect).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+from redis.exceptions import RedisError
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from channels.tokens import TokenSigner
+from channels.types import WsCancel, WsClear, WsCompact, WsFrame, WsMessage, WsPing, WsRespond, ws_frame_decoder
+from harness import Harness
+from harness.aio import cancel_and_wait
+from harness.errors import InvalidInput, KeelError, NotFound
+from harness.service import check_event_id
+
+log = logging.getLogger("keel.ws")
+_enc = msgspec.json.Encoder()
+MAX_BAD_FRAMES = 20  # in a row; then the connection is closed (1008)
+CLOSE_WAIT_S = 10.0  # a close frame waits behind unsent frames; a client that reads none is dropped
+
+
+@dataclass(frozen=True)
+class WsConfig:
+    max_frame: int = 65_536  # bytes of one client frame
+    heartbeat: float = 15.0  # seconds without a server frame before a heartbeat frame
+    send_queue: int = 256  # server frames waiting for a slow client ...
+    slow_s: float = 10.0  # ... for at most this long before it is closed with 1013
+    origins: tuple[str, ...] = ()  # allowed Origin values; () = same origin only; ("*",) = any
+
+
+@dataclass
+class WsStats:
+    """Counters of this process's sockets (for tests, the load script and operators)."""
+
+    open: int = 0
+    closed: dict[int, int] = field(default_factory=dict)  # close code keel sent -> how many
+
+
+class Closed(Exception):
+    """The connection is to be closed with this code."""
+
+    def __init__(self, code: int, reason: str) -> None:
+        super().__init__(reason)
+        self.code, self.reason = code, reason[:120]
+
+
+def origin_allowed(ws: WebSocket, origins: tuple[str, ...]) -> bool:
+    """Browsers always send Origin; other clients need not. Without a list, only the page's own
+    origin (the Host it connected to) may open a socket: a page elsewhere cannot ride a user's
+    token or local access."""
+    origin = ws.headers.get("origin")
+    if origin is None or "*" in origins:
+        return True
+    if origins:
+        return origin in origins
+    host = ws.headers.get("host", "")
+    return origin in (f"http://{host}", f"https://{host}")
+
+
+async def session_socket(ws: WebSocket) -> None:
+    harness: Harness = ws.app.state.harness
+    config: WsConfig = ws.app.state.ws
+    stats: WsStats = ws.app.state.ws_stats
+    await ws.accept()  # first: a browser sees a close code only on an accepted socket
+    stats.open += 1
+    try:
+        sid, owner, after = await _admit(ws, harness, config, ws.app.state.tokens)
+        await Connection(ws, harness, config, sid, owner).run(after)
+    except Closed as closed:
+        stats.closed[closed.code] = stats.closed.get(closed.code, 0) + 1
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(CLOSE_WAIT_S):
+                await ws.close(closed.code, closed.reason)
+    except WebSocketDisconnect:
+        pass
+    finally:
+        stats.open -= 1
+
+
+async def _admit(ws: WebSocket, harness: Harness, config: WsConfig, tokens: TokenSigner) -> tuple[str, str, str]:
+    sid = ws.path_params["sid"]
+    if not origin_allowed(ws, config.origins):
+        raise Closed(4403, "origin not allowed")
+    owner: str | None = ws.scope.get("state", {}).get("owner")
+    token = ws.query_params.get("token")
+    if owner is None and token is not None:
+        owner = tokens.verify(token, sid)
+    if owner is None:
+        raise Closed(4401, "unauthorized")
+    try:
+        await harness.check_owner(sid, owner)
+        after = check_event_id(ws.query_params.get("after") or "0-0")
+    except NotFound as exc:
+        raise Closed(4404, exc.message) from None
+    except InvalidInput as exc:
+        raise Closed(4400, exc.message) from None
+    return sid, owner, after
+
+
+class Connection:
+    """One socket: a reader (this task), a follower of the outbox and a writer, joined by a
+    bounded queue of frames."""
+
+    def __init__(self, ws: WebSocket, harness: Harness, config: WsConfig, sid: str, owner: str) -> None:
+        self.ws, self.harness, self.config, self.sid, self.owner = ws, harness, config, sid, owner
+        self.queue: asyncio.Queue[str | bytes] = asyncio.Queue(config.send_queue)
+        self.bad = 0
+
+    async def run(self, after: str) -> None:
+        follower = asyncio.create_task(self._follow(after))
+        writer = asyncio.create_task(self._write())
+        reader = asyncio.create_task(self._read())
+        try:
+            done, _ = await asyncio.wait({follower, writer, reader}, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                task.result()  # Closed, WebSocketDisconnect or an error: the socket ends
+        finally:
+            await cancel_and_wait((follower, writer, reader))
+
+    async def _follow(self, after: str) -> None:
+        async for event in self.harness.tail(self.sid, after, heartbeat=self.config.heartbeat):
+            frame = event.raw if event is not None else _enc.encode({"type": "heartbeat", "at": time.time()})
+            await self._send(frame)
+
+    async def _send(self, frame: str | bytes) -> None:
+        try:  # (asyncio.timeout: wait_for on 3.11 can swallow the cancellation that ends this task)
+            async with asyncio.timeout(self.config.slow_s):
+                await self.queue.put(frame)
+        except TimeoutError:
+            raise Closed(1013, "too slow: the client does not read its frames") from None
+
+    async def _write(self) -> None:
+        while True:
+            frame = await self.queue.get()
+            if isinstance(frame, bytes):
+                await self.ws.send_text(frame.decode())
+            else:
+                await self.ws.send_text(frame)
+
+    async def _read(self) -> None:
+        while True:
+            message = await self.ws.receive()
+            if message["type"] == "websocket.disconnect":
+                raise WebSocketDisconnect(message.get("code", 1000))
+            text = message.get("text")
+            if text is None:
+                raise Closed(1003, "frames are JSON text")
+            if len(text) > self.config.max_frame:  # (uvicorn's ws_max_size usually stops it first)
+                raise Closed(1009, f"a frame is larger than {self.config.max_frame} bytes")
+            await self._handle(text)
+
+    async def _handle(self, text: str) -> None:
+        ref = None
+        try:
+            frame: WsFrame = ws_frame_decoder.decode(text)
+            ref = frame.ref
+            await self._do(frame)
+            self.bad = 0
+        except (msgspec.ValidationError, msgspec.DecodeError, RecursionError) as exc:
+            await self._error("invalid_frame", f"not a valid frame: {exc}", ref)
+        except KeelError as exc:
+            await self._error(exc.code, exc.message, ref)
+        except RedisError as exc:
+            log.warning("session %s: Redis error on a websocket frame: %s", self.sid, type(exc).__name__)
+            await self._error("unavailable", "storage is unavailable; send the frame again", ref)
+
+    async def _do(self, frame: WsFrame) -> None:
+        h, sid, owner = self.harness, self.sid, self.owner
+        match frame:
+            case WsMessage(text=text, context=context, message_id=message_id):
+                await h.submit(sid, owner, text, context, message_id)
+            case WsRespond(request_id=rid, decision=decision, reason=reason):
+                await h.respond(sid, owner, rid, decision, reason)
+            case WsCancel(turn_id=turn_id):
+                await h.cancel(sid, owner, turn_id)
+            case WsCompact():
+                await h.compact(sid, owner)
+            case WsClear():
+                await h.clear(sid, owner)
+            case WsPing(ref=ref):
+                await self._send(_enc.encode({"type": "pong", "ref": ref}))
+
+    async def _error(self, code: str, message: str, ref: str | None) -> None:
+        self.bad += 1
+        if self.bad > MAX_BAD_FRAMES:
+            raise Closed(1008, "too many bad frames")
+        body: dict[str, Any] = {"type": "error", "error": {"code": code, "message": message}}
+        if ref is not None:
+            body["ref"] = ref
+        await self._send(_enc.encode(body))
