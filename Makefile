@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install dev run worker test lint typecheck bench clean
+.PHONY: install dev run worker test lint typecheck bench browser clean
 
 install: $(STAMP)
 
@@ -27,8 +27,21 @@ lint: install
 typecheck: install
 	$(BIN)/mypy
 	$(BIN)/mypy --strict deploy/bench/*.py
+	cd deploy && MYPYPATH=bench ../$(BIN)/mypy --strict ws_load.py
 
-test: install lint typecheck
+# Debian's chromium for tests/browser: installed when missing and this is root with apt;
+# otherwise those tests are skipped, saying why.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing Debian's chromium for the browser tests"; \
+	    export DEBIAN_FRONTEND=noninteractive; \
+	    apt-get install -y -q chromium >/dev/null 2>&1 || \
+	      { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null 2>&1; } || \
+	      echo "could not install chromium: the browser tests will be skipped"; \
+	  else echo "no chromium, and no root apt-get to install it: the browser tests will be skipped"; fi; }
+
+test: install lint typecheck browser
 	$(BIN)/python -m pytest -q
 
 bench: install

@@ -6,8 +6,9 @@ import contextlib
 import importlib
 import logging
 from collections.abc import AsyncIterator
+from pathlib import Path
 
-from redis.asyncio import Redis
+from redis.asyncio import BlockingConnectionPool, Redis
 from redis.exceptions import RedisError
 from redis.maint_notifications import MaintNotificationsConfig
 from starlette.applications import Starlette
@@ -18,6 +19,7 @@ from app.settings import Settings
 from channels.auth import ApiKeyAuth
 from channels.errors import http_error_handler, keel_error_handler, redis_error_handler
 from channels.http import routes
+from channels.static import demo_routes, widget_routes
 from channels.tokens import TokenSigner
 from channels.websocket import WsConfig, WsStats
 from harness import Agent, Harness
@@ -40,14 +42,19 @@ def load_agent(spec: str) -> Agent:
 
 
 def redis_client(url: str) -> Redis:
-    # Maintenance notifications off: redis-py 8.1's default ("auto") skips the liveness check of
-    # pooled connections, so after a Redis restart every old connection failed once, as a 5xx.
-    return Redis.from_url(
+    """The process's Redis client. A blocking pool: past `max_connections` commands in flight, a
+    command waits (up to 10 s) for a connection instead of failing at once, so a burst (a
+    thousand sockets opening together) queues instead of erroring. Maintenance notifications
+    off: redis-py 8.1's default ("auto") skips the liveness check of pooled connections, so
+    after a Redis restart every old connection failed once, as a 5xx."""
+    pool = BlockingConnectionPool.from_url(
         url,
-        max_connections=512,
+        max_connections=256,
+        timeout=10,
         health_check_interval=30,
         maint_notifications_config=MaintNotificationsConfig(enabled=False),
     )
+    return Redis.from_pool(pool)
 
 
 def create_app(
@@ -80,8 +87,9 @@ def create_app(
             await harness.stop()
             await redis.aclose()
 
+    pages = widget_routes() + (demo_routes(Path(__file__).parent / "static") if settings.demo_page else [])
     app = Starlette(
-        routes=routes(),
+        routes=[*routes(), *pages],
         middleware=[Middleware(ApiKeyAuth, keys=settings.api_keys)],
         exception_handlers={
             KeelError: keel_error_handler,

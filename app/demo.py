@@ -18,6 +18,12 @@ def add(a: int, b: int) -> int:
     return a + b
 
 
+@tool(approval=True)
+def place_order(item: str) -> str:
+    """Order an item (a pretend order: nothing is bought). Needs a person's approval."""
+    return f"ordered the {item} (pretend)"
+
+
 @tool
 def utc_time() -> str:
     """The current time in UTC, ISO 8601."""
@@ -42,6 +48,16 @@ def _reply(request: ModelRequest) -> ModelReply:
         return ModelReply(tool_calls=[ToolCall("add", {"a": int(m[1]), "b": int(m[2])})])
     if "time" in text.lower():
         return ModelReply(tool_calls=[ToolCall("utc_time", {})])
+    page = {i.context_key: i.text.split("\n", 1)[1] for i in request.messages if i.kind == "sticky" and i.context_key}
+    if "looking at" in text.lower():  # answered from the page as it is now (keyed context)
+        if page.get("selection", "nothing") == "nothing":
+            return ModelReply(text="Nothing is selected. Pick a lamp on the left.")
+        return ModelReply(text=f"You are looking at the {page['selection']} ({page.get('route', '?')}).")
+    if text.lower().startswith("order"):
+        item = page.get("selection", "nothing")
+        if item == "nothing":
+            return ModelReply(text="Select a lamp first, then ask me to order it.")
+        return ModelReply(tool_calls=[ToolCall("place_order", {"item": item})])
     # Name what it sees, not its content: a reply is durable history; page context is not (I1).
     keys = [i.context_key or "(this turn)" for i in request.messages if i.kind in ("context", "sticky")]
     noun = "entry" if len(keys) == 1 else "entries"
@@ -52,7 +68,7 @@ def _reply(request: ModelRequest) -> ModelReply:
 agent = Agent(
     name="demo",
     instructions="You are keel's demo agent. Answer briefly.",
-    tools=[add, utc_time],
+    tools=[add, utc_time, place_order],
     model=ScriptedModel(_reply, keep=0),
     runtime_context=[today],
     context_window=32_000,  # compacts automatically near 90% of this (and on POST .../compact)

@@ -88,15 +88,22 @@ async def session_socket(ws: WebSocket) -> None:
     try:
         sid, owner, after = await _admit(ws, harness, config, ws.app.state.tokens)
         await Connection(ws, harness, config, sid, owner).run(after)
+    except RedisError as exc:  # storage gone for a moment: the client reconnects after its last event
+        log.warning("session socket: Redis error: %s", type(exc).__name__)
+        await _close(ws, stats, Closed(1013, "storage unavailable; reconnect"))
     except Closed as closed:
-        stats.closed[closed.code] = stats.closed.get(closed.code, 0) + 1
-        with contextlib.suppress(Exception):
-            async with asyncio.timeout(CLOSE_WAIT_S):
-                await ws.close(closed.code, closed.reason)
+        await _close(ws, stats, closed)
     except WebSocketDisconnect:
         pass
     finally:
         stats.open -= 1
+
+
+async def _close(ws: WebSocket, stats: WsStats, closed: Closed) -> None:
+    stats.closed[closed.code] = stats.closed.get(closed.code, 0) + 1
+    with contextlib.suppress(Exception):
+        async with asyncio.timeout(CLOSE_WAIT_S):
+            await ws.close(closed.code, closed.reason)
 
 
 async def _admit(ws: WebSocket, harness: Harness, config: WsConfig, tokens: TokenSigner) -> tuple[str, str, str]:

@@ -1,0 +1,285 @@
+/* keel's embeddable assistant panel. No build step, no framework.
+
+   <script src="https://your-keel/widget.js"></script>
+   <script>
+     Keel.mount(document.getElementById("assistant"), {
+       url: "https://your-keel",          // keel's base URL (default: this page's origin)
+       session: "ses_...",                 // the session to show
+       token: async () => fetchTokenFromYourBackend(),  // or a string; re-asked on reconnect
+       context: () => ({ route: location.pathname, selection: currentSelection() }),
+     });
+   </script>
+
+   Every message carries the page context `context()` returns at that moment. The panel shows
+   the conversation as events arrive (deltas, tool activity, approval requests with Approve and
+   Deny), reconnects by itself after `after=<last event id>`, never shows an event twice, and
+   resends a message the server has not acknowledged with the same message_id (so it is one
+   message, whatever happened to the connection). All text is set with textContent. */
+(function () {
+  "use strict";
+
+  const STYLE = `
+.keel-panel{font:14px/1.4 system-ui,sans-serif;display:flex;flex-direction:column;height:100%;
+  border:1px solid #d0d4da;border-radius:8px;background:#fff;color:#1d232b;overflow:hidden}
+.keel-head{padding:8px 12px;background:#1d232b;color:#fff;font-weight:600;display:flex;gap:8px}
+.keel-status{margin-left:auto;font-weight:400;opacity:.8}
+.keel-log{flex:1;overflow-y:auto;padding:10px;display:flex;flex-direction:column;gap:6px}
+.keel-msg{padding:6px 10px;border-radius:10px;max-width:85%;white-space:pre-wrap;word-wrap:break-word}
+.keel-user{align-self:flex-end;background:#2f6fed;color:#fff}
+.keel-assistant{align-self:flex-start;background:#eef0f3}
+.keel-tool{align-self:flex-start;font-size:12px;color:#4a5563;font-family:ui-monospace,monospace}
+.keel-note{align-self:center;font-size:12px;color:#6b7380}
+.keel-error{align-self:stretch;font-size:12px;color:#a12121;background:#fdecec;padding:4px 8px;border-radius:6px}
+.keel-approval{align-self:stretch;border:1px solid #e0b84a;background:#fff8e6;border-radius:8px;padding:8px}
+.keel-approval button{margin-right:6px}
+.keel-thinking{align-self:flex-start;color:#6b7380;font-style:italic}
+.keel-form{display:flex;border-top:1px solid #d0d4da}
+.keel-input{flex:1;border:0;padding:10px;font:inherit;outline:none}
+.keel-send{border:0;background:#2f6fed;color:#fff;padding:0 16px;font:inherit;cursor:pointer}`;
+
+  function el(tag, cls, text) {
+    const node = document.createElement(tag);
+    if (cls) node.className = cls;
+    if (text !== undefined) node.textContent = text;
+    return node;
+  }
+
+  function newId() {
+    if (window.crypto && crypto.randomUUID) return "w-" + crypto.randomUUID();
+    return "w-" + Date.now().toString(36) + Math.random().toString(36).slice(2);
+  }
+
+  function mount(root, options) {
+    const opts = Object.assign({ url: location.origin, title: "Assistant", context: null }, options);
+    if (!opts.session) throw new Error("Keel.mount needs options.session");
+    if (!document.getElementById("keel-style")) {
+      const style = el("style");
+      style.id = "keel-style";
+      style.textContent = STYLE;
+      document.head.appendChild(style);
+    }
+    const panel = el("div", "keel-panel");
+    const head = el("div", "keel-head", opts.title);
+    const status = el("span", "keel-status", "connecting");
+    head.appendChild(status);
+    const log = el("div", "keel-log");
+    const form = el("form", "keel-form");
+    const input = el("input", "keel-input");
+    input.placeholder = "Ask something";
+    input.setAttribute("aria-label", "message");
+    const send = el("button", "keel-send", "Send");
+    send.type = "submit";
+    form.append(input, send);
+    panel.append(head, log, form);
+    root.replaceChildren(panel);
+
+    const seen = new Set(); // event ids shown
+    const unacked = new Map(); // message_id -> frame, until its message.received arrives
+    const nodes = new Map(); // item/call/request id -> element
+    let lastId = null;
+    let socket = null;
+    let retry = 500;
+    let closed = false;
+    let watchdog = null;
+    let thinking = null;
+
+    function add(node, eventId) {
+      if (eventId) node.dataset.eventId = eventId;
+      log.appendChild(node);
+      log.scrollTop = log.scrollHeight;
+      return node;
+    }
+
+    function setStatus(text) {
+      status.textContent = text;
+      root.dataset.keelStatus = text;
+    }
+
+    function transmit(frame) {
+      if (socket && socket.readyState === WebSocket.OPEN) socket.send(JSON.stringify(frame));
+    }
+
+    async function token() {
+      if (typeof opts.token === "function") return await opts.token();
+      return opts.token || null;
+    }
+
+    async function connect() {
+      if (closed) return;
+      setStatus("connecting");
+      let url = opts.url.replace(/^http/, "ws").replace(/\/$/, "") + "/v1/sessions/" + opts.session + "/ws";
+      const params = new URLSearchParams();
+      if (lastId) params.set("after", lastId);
+      try {
+        const t = await token();
+        if (t) params.set("token", t);
+      } catch (err) {
+        return later("could not get a token");
+      }
+      if ([...params].length) url += "?" + params;
+      socket = new WebSocket(url);
+      socket.onopen = () => {
+        retry = 500;
+        setStatus("connected");
+        for (const frame of unacked.values()) transmit(frame); // same message_id: one message
+        pet();
+      };
+      socket.onmessage = (msg) => {
+        pet();
+        let frame;
+        try {
+          frame = JSON.parse(msg.data);
+        } catch (err) {
+          return;
+        }
+        if (frame.id) {
+          if (seen.has(frame.id)) return; // never twice
+          seen.add(frame.id);
+          lastId = frame.id;
+          render(frame);
+        } else if (frame.type === "error") {
+          add(el("div", "keel-error", frame.error.message));
+        }
+      };
+      socket.onclose = (ev) => {
+        clearTimeout(watchdog);
+        if (closed) return;
+        if (ev.code === 4404) return setStatus("session not found");
+        if (ev.code === 4403) return setStatus("origin not allowed");
+        if (ev.code === 4401 && typeof opts.token !== "function") return setStatus("unauthorized");
+        later("reconnecting");
+      };
+    }
+
+    function later(why) {
+      setStatus(why);
+      setTimeout(connect, retry);
+      retry = Math.min(retry * 2, 8000);
+    }
+
+    function pet() {
+      // the server sends a heartbeat frame when idle; silence this long means a dead socket
+      clearTimeout(watchdog);
+      watchdog = setTimeout(() => socket && socket.close(), (opts.heartbeat || 15) * 2500);
+    }
+
+    function think(on) {
+      if (on && !thinking) thinking = add(el("div", "keel-thinking", "thinking…"));
+      if (!on && thinking) {
+        thinking.remove();
+        thinking = null;
+      }
+    }
+
+    function render(ev) {
+      const d = ev.data || {};
+      switch (ev.type) {
+        case "message.received":
+          unacked.delete(d.message_id);
+          add(el("div", "keel-msg keel-user", d.text), ev.id);
+          break;
+        case "turn.started":
+          think(true);
+          break;
+        case "message.delta": {
+          let node = nodes.get(d.item_id);
+          if (!node) node = nodes.set(d.item_id, add(el("div", "keel-msg keel-assistant", ""), ev.id)).get(d.item_id);
+          node.textContent += d.text || "";
+          break;
+        }
+        case "message.completed": {
+          const node = nodes.get(d.item_id);
+          if (node) node.textContent = d.text;
+          else nodes.set(d.item_id, add(el("div", "keel-msg keel-assistant", d.text), ev.id));
+          break;
+        }
+        case "tool.started": {
+          const args = Object.entries(d.arguments || {}).map(([k, v]) => k + "=" + JSON.stringify(v));
+          const node = add(el("div", "keel-tool", "⚙ " + d.tool + "(" + args.join(", ") + ") …"), ev.id);
+          nodes.set(d.call_id, node);
+          break;
+        }
+        case "tool.completed": {
+          const text = "⚙ " + d.tool + " → " + d.result;
+          const node = nodes.get(d.call_id);
+          if (node) node.textContent = text;
+          else add(el("div", "keel-tool", text), ev.id);
+          break;
+        }
+        case "input.requested":
+          think(false);
+          for (const r of d.requests || []) approval(r, ev.id);
+          break;
+        case "input.resolved": {
+          const card = nodes.get(d.request_id);
+          if (card) {
+            card.querySelectorAll("button").forEach((b) => b.remove());
+            const said = { approve: "approved", deny: "denied", withdrawn: "withdrawn" }[d.decision];
+            card.appendChild(el("div", "keel-note", said || d.decision));
+            card.dataset.decision = d.decision;
+          }
+          break;
+        }
+        case "turn.completed":
+        case "turn.cancelled":
+          think(false);
+          break;
+        case "turn.failed":
+          think(false);
+          add(el("div", "keel-error", (d.error && d.error.message) || "the turn failed"), ev.id);
+          break;
+        case "compaction.completed":
+          add(el("div", "keel-note", "earlier conversation summarized"), ev.id);
+          break;
+        case "context.cleared":
+          add(el("div", "keel-note", "conversation cleared"), ev.id);
+          break;
+      }
+    }
+
+    function approval(r, eventId) {
+      const card = el("div", "keel-approval");
+      card.dataset.requestId = r.request_id;
+      const args = JSON.stringify(r.arguments || {});
+      card.appendChild(el("div", "", "Allow " + r.tool + " " + args + "?"));
+      for (const [label, decision] of [["Approve", "approve"], ["Deny", "deny"]]) {
+        const button = el("button", "", label);
+        button.type = "button";
+        button.onclick = () => {
+          card.querySelectorAll("button").forEach((b) => (b.disabled = true));
+          transmit({ type: "respond", request_id: r.request_id, decision: decision });
+        };
+        card.appendChild(button);
+      }
+      nodes.set(r.request_id, add(card, eventId));
+    }
+
+    form.addEventListener("submit", (e) => {
+      e.preventDefault();
+      const text = input.value.trim();
+      if (!text) return;
+      input.value = "";
+      let context = null;
+      try {
+        context = opts.context ? opts.context() : null;
+      } catch (err) {
+        context = null;
+      }
+      const frame = { type: "message", text: text, message_id: newId() };
+      if (context !== null && context !== undefined) frame.context = context;
+      unacked.set(frame.message_id, frame);
+      transmit(frame);
+    });
+
+    connect();
+    return {
+      close() {
+        closed = true;
+        clearTimeout(watchdog);
+        if (socket) socket.close(1000);
+      },
+    };
+  }
+
+  window.Keel = { mount: mount };
+})();
