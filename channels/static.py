@@ -14,6 +14,7 @@ TYPES = {
     ".js": "text/javascript; charset=utf-8",
     ".css": "text/css; charset=utf-8",
     ".html": "text/html; charset=utf-8",
+    ".svg": "image/svg+xml",
 }
 # The demo page loads only its own files and talks only to this origin (websocket included).
 PAGE_HEADERS = {
@@ -43,4 +44,5 @@ def demo_routes(folder: Path) -> list[Route]:
         file_route("/", folder / "demo.html"),
         file_route("/demo.js", folder / "demo.js"),
         file_route("/demo.css", folder / "demo.css"),
+        file_route("/favicon.svg", folder / "favicon.svg"),
     ]

@@ -54,6 +54,7 @@ async def page(browser: Browser, serve: Any) -> AsyncIterator[Page]:
     p = await context.new_page()
     errors: list[str] = []
     p.on("pageerror", lambda exc: errors.append(str(exc)))
+    p.on("console", lambda msg: errors.append(msg.text) if msg.type == "error" else None)
     await p.goto("/")
     await expect(p.locator("#assistant")).to_have_attribute("data-keel-status", "connected", timeout=10_000)
     p.live = live  # type: ignore[attr-defined]
