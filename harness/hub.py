@@ -1,8 +1,11 @@
-"""Wakes readers of a session's outbox when new events are committed.
+"""Wakes readers of a session's outbox when new events are committed, and hands them the events
+this process committed.
 
-Commits made in this process notify directly; a single background poller notices commits made
-by other processes (XREAD BLOCK over the watched sessions). Readers always read the outbox
-stream itself: the hub only tells them when to look.
+Commits made in this process are published here with the events they wrote (byte for byte what
+a read of the outbox returns); a single background poller notices commits made by other
+processes (XREAD BLOCK over the watched sessions). A reader takes published events only when
+they continue exactly where it is (the next seq, no gap); otherwise it reads the outbox stream,
+which is always the truth.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from redis.asyncio import Redis
 from harness.aio import cancel_and_wait
 from harness.ids import stream_key
 from harness.keys import SessionKeys
+from harness.store import StoredEvent
 
 log = logging.getLogger("keel.hub")
 
@@ -26,14 +30,46 @@ def _never(sid: str) -> bool:
     return False
 
 
+PUSHED_MAX = 512  # events a watch holds for its reader; past that it reads the stream instead
+
+
 class Watch:
     def __init__(self, after: str | None, *, settled_only: bool = False) -> None:
         self._flag = asyncio.Event()
         self.seen = after  # the newest event id its reader has read (None: not known yet)
+        self.last_seq: int | None = None  # ... and its seq (None: not known: read the stream)
         self.settled_only = settled_only  # local wake-ups only for commits that settle a turn
+        self._pushed: list[StoredEvent] = []
+        self._overflow = False
 
     def wake(self) -> None:
         self._flag.set()
+
+    def push(self, events: list[StoredEvent]) -> None:
+        if len(self._pushed) + len(events) > PUSHED_MAX:
+            self._overflow = True
+        else:
+            self._pushed.extend(events)
+
+    def take(self) -> list[StoredEvent] | None:
+        """The events published since the reader's position, if they continue it with no gap;
+        None when the reader must read the stream (nothing published, a gap, or unknown place)."""
+        pushed, overflow = self._pushed, self._overflow
+        self._pushed, self._overflow = [], False
+        if overflow or self.last_seq is None or not pushed:
+            return None
+        fresh = sorted((e for e in pushed if e.seq > self.last_seq), key=lambda e: e.seq)
+        if not fresh:
+            return None
+        for n, event in enumerate(fresh, start=self.last_seq + 1):
+            if event.seq != n:
+                return None  # something in between was written elsewhere
+        return fresh
+
+    def advance(self, batch: list[StoredEvent]) -> None:
+        """The reader has read up to the end of `batch`."""
+        if batch:
+            self.seen, self.last_seq = batch[-1].id, batch[-1].seq
 
     async def wait(self, timeout: float) -> bool:
         """True if woken, False on timeout. (asyncio.timeout, not wait_for: on Python 3.11
@@ -61,16 +97,18 @@ class EventHub:
         self._task: asyncio.Task[None] | None = None
         self._followed = asyncio.Event()  # set when a session gets a position to poll from
 
-    def notify(self, sid: str, event_id: str | None = None, *, settled: bool = True) -> None:
-        """Wake the session's watches: this process committed up to `event_id` (`settled`: a
-        commit that ended a turn). The poller needs to look only past it: any earlier event,
-        from elsewhere, is read by the woken readers now."""
+    def publish(self, sid: str, events: list[StoredEvent], *, settled: bool = True) -> None:
+        """This process committed `events` (`settled`: a commit that ended a turn): hand them to
+        the session's watches and wake them. The poller needs to look only past the newest: any
+        earlier event, from elsewhere, is read by the woken readers now."""
         watches = self._watches.get(sid)
         if not watches:
             return
         for w in watches:
+            w.push(events)
             if settled or not w.settled_only:
                 w.wake()
+        event_id = events[-1].id if events else None
         last = self._last.get(sid)
         if event_id is not None and last is not None and stream_key(event_id) > stream_key(last):
             self._last[sid] = event_id

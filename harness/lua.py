@@ -28,9 +28,13 @@ local function owns(meta, owner)
 end
 """
 
+# `emit` appends one event; `first_seq` is the seq of the first event this script emitted (the
+# ones after it are consecutive), returned so the caller can build the envelopes it committed.
 _EMIT = """
+local first_seq = 0
 local function emit(meta, outbox, retention, etype, body)
   local seq = redis.call('HINCRBY', meta, 'seq', 1)
+  if first_seq == 0 then first_seq = seq end
   return redis.call('XADD', outbox, 'MAXLEN', '~', retention, '*', 's', seq, 't', etype, 'b', body)
 end
 """
@@ -44,7 +48,7 @@ redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'created_at', ARGV[2], 'metadata',
   'status', 'idle', 'seq', 0, 'fence', 0, 'turn', '', 'turn_start', 0, 'hist_start', 0,
   'waiting_on', '', 'undecided', 0, 'cancel', '')
 local id = emit(KEYS[1], KEYS[2], ARGV[4], 'session.created', ARGV[5])
-return {'ok', id}
+return {'ok', id, first_seq}
 """
 )
 
@@ -62,7 +66,7 @@ local id = emit(KEYS[1], KEYS[4], ARGV[5], 'message.received', ARGV[6])
 redis.call('HSET', KEYS[3], ARGV[2], ARGV[3] .. ' ' .. id)
 redis.call('RPUSH', KEYS[2], '{"received_id":"' .. id .. '",' .. ARGV[4])
 if redis.call('HGET', KEYS[1], 'status') == 'idle' then redis.call('HSET', KEYS[1], 'status', 'running') end
-return {'new', id}
+return {'new', id, first_seq}
 """
 )
 
@@ -103,6 +107,7 @@ if holder and holder ~= ARGV[1] then return {'busy', redis.call('PTTL', KEYS[3])
 local fence = redis.call('HINCRBY', KEYS[1], 'fence', 1)
 redis.call('SET', KEYS[3], fence, 'PX', ARGV[2])
 local started = ''
+local started_body = ''
 local kind = m.kind or 'message'
 if redis.call('HGET', KEYS[1], 'turn') ~= m.turn_id then
   if kind == 'message' and type(m.sticky) == 'table' then
@@ -115,11 +120,12 @@ if redis.call('HGET', KEYS[1], 'turn') ~= m.turn_id then
     'waiting_on', '', 'undecided', 0)
   local env = '"turn_id":"' .. m.turn_id .. '","at":' .. ARGV[3] .. ',"data":'
   if kind == 'message' then
-    local data = '{"message_id":' .. cjson.encode(m.message_id) .. '}}'
-    started = emit(KEYS[1], KEYS[6], ARGV[4], 'turn.started', env .. data)
+    started_body = env .. '{"message_id":' .. cjson.encode(m.message_id) .. '}}'
+    started = emit(KEYS[1], KEYS[6], ARGV[4], 'turn.started', started_body)
     if not cancel then redis.call('HINCRBY', KEYS[1], 'u_calls', 1) end  -- the model call that comes next
   elseif kind == 'compact' then
-    started = emit(KEYS[1], KEYS[6], ARGV[4], 'compaction.requested', env .. '{"reason":"manual"}}')
+    started_body = env .. '{"reason":"manual"}}'
+    started = emit(KEYS[1], KEYS[6], ARGV[4], 'compaction.requested', started_body)
   end
 else
   redis.call('HSET', KEYS[1], 'status', 'running')
@@ -137,7 +143,7 @@ for rid in string.gmatch(waiting_on, '%S+') do
 end
 return {'ok', fence, head, turn_start - start, redis.call('HGETALL', KEYS[5]),
   redis.call('LRANGE', KEYS[4], from, -1), start, from - start, started, cancel and '1' or '', decisions,
-  redis.call('HMGET', KEYS[1], 'last_in', 'last_est')}
+  redis.call('HMGET', KEYS[1], 'last_in', 'last_est'), first_seq, started_body}
 """
 )
 
@@ -175,9 +181,11 @@ for j = i + 1, i + 2 * n, 2 do redis.call('HSET', KEYS[6], ARGV[j], ARGV[j + 1])
 i = i + 2 * n + 1
 n = tonumber(ARGV[i])
 local ids = {}
+local resolved = {}  -- which of the given answers were set (and emitted), 0-based
 for j = i + 1, i + 3 * n, 3 do
   if redis.call('HSETNX', KEYS[7], ARGV[j], ARGV[j + 1]) == 1 then
     ids[#ids + 1] = emit(KEYS[1], KEYS[4], ARGV[3], 'input.resolved', ARGV[j + 2])
+    resolved[#resolved + 1] = (j - i - 1) / 3
   end
 end
 i = i + 3 * n + 1
@@ -194,7 +202,7 @@ if mode == '2' then
   if cancel == '' then
     redis.call('HSET', KEYS[1], 'status', 'waiting')
     redis.call('DEL', KEYS[2])
-    return {'paused', ids, length, cancel}
+    return {'paused', ids, length, cancel, first_seq, resolved}
   end
 end
 if mode == '1' then
@@ -202,10 +210,10 @@ if mode == '1' then
   local left = redis.call('LLEN', KEYS[5])
   redis.call('HSET', KEYS[1], 'turn', '', 'status', left > 0 and 'running' or 'idle', 'waiting_on', '', 'undecided', 0)
   if cancel ~= '' then redis.call('HSET', KEYS[1], 'cancel', '') end
-  if left == 0 then redis.call('DEL', KEYS[2]); return {'done', ids, length, ''} end
-  return {'more', ids, length, ''}
+  if left == 0 then redis.call('DEL', KEYS[2]); return {'done', ids, length, '', first_seq, resolved} end
+  return {'more', ids, length, '', first_seq, resolved}
 end
-return {'ok', ids, length, cancel}
+return {'ok', ids, length, cancel, first_seq, resolved}
 """
 )
 
@@ -222,7 +230,8 @@ redis.call('HINCRBY', KEYS[1], 'u_in', ARGV[2])
 redis.call('HINCRBY', KEYS[1], 'u_out', ARGV[3])
 redis.call('HINCRBY', KEYS[1], 'u_cached', ARGV[4])
 if ARGV[6] ~= '' then redis.call('HSET', KEYS[1], 'last_in', ARGV[2], 'last_est', ARGV[6]) end
-return emit(KEYS[1], KEYS[2], ARGV[1], 'usage.recorded', ARGV[5])
+local id = emit(KEYS[1], KEYS[2], ARGV[1], 'usage.recorded', ARGV[5])
+return {id, first_seq}
 """
 )
 
@@ -249,6 +258,7 @@ redis.call('HSET', KEYS[3], ARGV[2], ARGV[3])
 local turn = cjson.encode(turn_id)
 local body = '"turn_id":' .. turn .. ',"at":' .. ARGV[5] .. ',"data":' .. ARGV[6] .. '}'
 local id = emit(KEYS[1], KEYS[4], ARGV[4], 'input.resolved', body)
+local seq = first_seq
 local left = -1
 if string.find(' ' .. (redis.call('HGET', KEYS[1], 'waiting_on') or '') .. ' ', ' ' .. ARGV[2] .. ' ', 1, true) then
   left = redis.call('HINCRBY', KEYS[1], 'undecided', -1)
@@ -256,7 +266,7 @@ if string.find(' ' .. (redis.call('HGET', KEYS[1], 'waiting_on') or '') .. ' ', 
     redis.call('HSET', KEYS[1], 'status', 'running')
   end
 end
-return {'ok', id, left}
+return {'ok', id, left, seq, body}
 """
 )
 

@@ -49,7 +49,7 @@ class OpRunner:
             mode="final",
             rebase=None if rebase is None else len(rebase),
         )
-        self._publish(self.sid, committed.event_ids[-1], True)
+        self._publish(self.sid, committed.events, True)
         return Final(more=committed.more)
 
     def _event(self, etype: str, data: dict[str, Any]) -> tuple[str, bytes]:

@@ -74,7 +74,7 @@ async def assemble(
         messages = [*history, *fresh]
     else:
         messages = await _call(callback, [_private(i) for i in history], [_private(i) for i in fresh])
-    stable = _stable(messages, history, callback is not None)
+    stable = _stable(messages, history, fresh, callback is not None)
     messages.extend(outputs)
     messages.extend(tail)
     return ModelRequest(
@@ -109,12 +109,20 @@ async def _call(callback: InputCallback, history: list[Item], fresh: list[Item])
     return list(out)
 
 
-def _stable(messages: list[Item], history: list[Item], reshaped: bool) -> int:
-    """How many leading messages the next turn's request repeats unchanged: the durable items
-    before the first page context, or, when a callback reshaped the input, the common prefix
-    with history."""
-    n = 0
-    for n, (item, same) in enumerate(zip(messages, history if reshaped else messages, strict=False)):
-        if item.kind in ("context", "sticky") or item != same:
-            return n
-    return min(len(messages), len(history)) if reshaped else len(messages)
+def _stable(messages: list[Item], history: list[Item], fresh: list[Item], reshaped: bool) -> int:
+    """How many leading messages the next turn's request repeats unchanged: history and this
+    turn's durable input up to its first page context; when a callback reshaped the input, the
+    common prefix with history. (Constant time without a callback: history is not walked.)"""
+    if not reshaped:
+        n = len(history)
+        for item in fresh:
+            if item.kind in ("context", "sticky"):
+                break
+            n += 1
+        return n
+    common = 0
+    for item, same in zip(messages, history, strict=False):
+        if item is not same and item != same:
+            break
+        common += 1
+    return common

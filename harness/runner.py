@@ -206,8 +206,8 @@ class Runner:
                 await asyncio.sleep(min(begun.retry_ms, self.lease_ms) / 1000)
                 continue
             fence = begun.fence
-            if begun.started_id:
-                self.publish(sid, begun.started_id, False)
+            if begun.started is not None:
+                self.publish(sid, [begun.started], False)
             try:
                 more = await self._run_turn(sid, begun)
             except StaleLease:

@@ -90,8 +90,8 @@ class Harness:
     def _runs_here(self, sid: str) -> bool:
         return self.runner is not None and self.runner.runs(sid)
 
-    def _published(self, sid: str, event_id: str, settled: bool) -> None:
-        self.hub.notify(sid, event_id, settled=settled)
+    def _published(self, sid: str, events: list[StoredEvent], settled: bool) -> None:
+        self.hub.publish(sid, events, settled=settled)
 
     async def start(self) -> None:
         await self.queue.ensure_group()
@@ -108,8 +108,7 @@ class Harness:
 
     async def create_session(self, owner: str, metadata: dict[str, Any] | None = None) -> str:
         sid = new_id("ses")
-        await self.store.create(sid, owner, metadata or {})
-        self.hub.notify(sid)
+        self.hub.publish(sid, [await self.store.create(sid, owner, metadata or {})])
         return sid
 
     async def submit(
@@ -129,14 +128,20 @@ class Harness:
         )
         # The job goes in the same round trip, even for a duplicate: had the first attempt died
         # between recording the message and enqueueing its job, the client's retry repairs it.
-        duplicate, turn_id, received_id, (job_id,) = await self.store.submit(
+        duplicate, turn_id, received_id, received, (job_id,) = await self.store.submit(
             sid, owner, message, also=lambda pipe: JobQueue.enqueue_into(pipe, sid)
         )
-        self.hub.notify(sid, received_id, settled=False)
+        if received is not None:
+            self.hub.publish(sid, [received], settled=False)
         if self.runner is not None:
             self.runner.kick(sid, job_id.decode())
         return SubmitResult(
-            session_id=sid, message_id=message_id, turn_id=turn_id, received_id=received_id, duplicate=duplicate
+            session_id=sid,
+            message_id=message_id,
+            turn_id=turn_id,
+            received_id=received_id,
+            duplicate=duplicate,
+            received_seq=received.seq if received is not None else 0,
         )
 
     async def respond(self, sid: str, owner: str, request_id: str, decision: str, reason: str = "") -> Responded:
@@ -152,7 +157,7 @@ class Harness:
         answer = Answer(decision, reason)  # type: ignore[arg-type]
         res = await self.store.respond(sid, owner, request_id, answer)
         if res.recorded:
-            self.hub.notify(sid, None, settled=False)
+            self.hub.publish(sid, [res.event] if res.event is not None else [], settled=False)
             failpoints.reached("response.after_accept")
             if res.runnable:
                 await self._wake(sid)
@@ -244,25 +249,48 @@ class Harness:
         check_session_id(sid)
         await self.store.meta(sid, owner)
 
-    async def tail(self, sid: str, after: str, *, heartbeat: float) -> AsyncIterator[StoredEvent | None]:
+    async def tail(
+        self, sid: str, after: str, *, heartbeat: float, gate: asyncio.Semaphore | None = None
+    ) -> AsyncIterator[StoredEvent | None]:
         """Events after `after`, then live ones, forever. Yields None after `heartbeat` seconds
-        without an event (for keep-alives). The caller checks ownership first."""
+        without an event (for keep-alives). The caller checks ownership first. `gate` bounds how
+        many readers do their first (replay) read at once."""
         async with self.hub.watch(sid, after) as watch:
-            async for event in self._follow(sid, watch, after, heartbeat, read_first=True):
+            async for event in self._follow(sid, watch, after, heartbeat, read_first=True, gate=gate):
                 yield event
 
     async def _follow(
-        self, sid: str, watch: Watch, after: str, heartbeat: float, *, read_first: bool
+        self,
+        sid: str,
+        watch: Watch,
+        after: str,
+        heartbeat: float,
+        *,
+        read_first: bool,
+        gate: asyncio.Semaphore | None = None,
     ) -> AsyncIterator[StoredEvent | None]:
         if not read_first and not await watch.wait(heartbeat):
             yield None
+        if gate is not None:
+            async with gate:
+                first = await self.store.events(sid, after, count=EVENT_BATCH)
+            for event in first:
+                yield event
+            watch.advance(first)
+            after = first[-1].id if first else after
+            if len(first) < EVENT_BATCH and not await watch.wait(heartbeat):
+                yield None  # all read: the next read waits for news
         while True:
-            batch = await self.store.events(sid, after)
+            taken = watch.take()  # what this process committed, if it continues where we are
+            from_stream = taken is None
+            batch = taken if taken is not None else await self.store.events(sid, after, count=EVENT_BATCH)
+            for event in batch:
+                yield event
+            watch.advance(batch)
             if batch:
-                for event in batch:
-                    yield event
-                after = watch.seen = batch[-1].id
-                continue
+                after = batch[-1].id
+            if from_stream and len(batch) == EVENT_BATCH:
+                continue  # more to read
             if not await watch.wait(heartbeat):
                 yield None
 
@@ -282,6 +310,8 @@ class Harness:
             result = await self.submit(sid, owner, text, context, message_id)
             # Wake-ups are for what follows this message (the reader reads the message itself).
             self.hub.follow(sid, watch, result.received_id)
+            if not result.duplicate:  # its events, from message.received on, may come published
+                watch.last_seq = result.received_seq - 1
             after = _before(result.received_id)
             return await self._collect(result, watch, after, timeout, read_first=result.duplicate)
 
@@ -299,11 +329,15 @@ class Harness:
             position, read = after, read_first
             while True:
                 if read:
-                    batch = await self.store.events(sid, position, count=EVENT_BATCH)
+                    batch = watch.take()  # what this process committed, if it continues the read
+                    from_stream = batch is None
+                    if batch is None:
+                        batch = await self.store.events(sid, position, count=EVENT_BATCH)
+                    watch.advance(batch)
                     if batch:
-                        position = watch.seen = batch[-1].id
+                        position = batch[-1].id
                     events.extend(decode_data(e.raw) for e in batch if marker in e.raw)
-                    if len(batch) == EVENT_BATCH:
+                    if from_stream and len(batch) == EVENT_BATCH:
                         continue  # read everything there is before judging the newest event
                     status = TERMINAL.get(events[-1]["type"]) if events else None
                     if status is not None:

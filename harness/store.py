@@ -57,6 +57,11 @@ class Begun(msgspec.Struct, frozen=True):
     answers: dict[str, Answer | None] = {}  # the paused step's requests and their answers so far
     last_in: int = 0  # provider-reported input tokens of the session's last turn call (0: none)
     last_est: int = 0  # keel's estimate of that same request
+    started: StoredEvent | None = None  # the event `started_id` names
+
+
+def _started_type(message: InboxMessage) -> bytes:
+    return b"compaction.requested" if message.kind == "compact" else b"turn.started"
 
 
 class Busy(msgspec.Struct, frozen=True):
@@ -64,7 +69,7 @@ class Busy(msgspec.Struct, frozen=True):
 
 
 class Committed(msgspec.Struct, frozen=True):
-    event_ids: list[str]
+    events: list[StoredEvent]  # what the commit wrote to the outbox, in order
     more: bool = False  # final commit only: the inbox has another message, lease kept
     paused: bool = False  # pause commit: the session now waits for answers, lease released
     cancel: bool = False  # a cancel was asked for this turn: finish it as cancelled
@@ -76,6 +81,7 @@ class Responded(msgspec.Struct, frozen=True):
     recorded: bool
     answer: Answer
     runnable: bool = False  # this was the last open request of the paused turn
+    event: StoredEvent | None = None  # its input.resolved, when recorded
 
 
 COMMIT_MODE = {"step": "0", "final": "1", "pause": "2"}
@@ -101,7 +107,7 @@ class Store:
 
     # ---- session lifecycle -------------------------------------------------------------
 
-    async def create(self, sid: str, owner: str, metadata: dict[str, Any]) -> None:
+    async def create(self, sid: str, owner: str, metadata: dict[str, Any]) -> StoredEvent:
         k = SessionKeys(sid)
         body = event_body(None, {"metadata": metadata})
         res = await self._create(
@@ -110,6 +116,7 @@ class Store:
         if res[0] == b"exists":
             raise Conflict(f"session {sid} exists", code="session_exists")
         self._remember(sid, owner)
+        return written(sid, [res[1]], int(res[2]), [("session.created", body)])[0]
 
     async def meta(self, sid: str, owner: str) -> dict[str, str]:
         raw: Any = await self.redis.hgetall(SessionKeys(sid).meta)
@@ -123,11 +130,12 @@ class Store:
 
     async def submit(
         self, sid: str, owner: str, message: InboxMessage, *, also: Callable[[Pipeline], None]
-    ) -> tuple[bool, str, str, list[Any]]:
+    ) -> tuple[bool, str, str, StoredEvent | None, list[Any]]:
         """Record a message with its message.received event and, in the same round trip, what
         `also` adds to the pipeline (the job). Returns (duplicate, turn_id, received event id,
-        replies of `also`); a repeated message_id returns the first one's ids. A session this
-        process has not seen is looked up first, so a request for an unknown one writes nothing."""
+        the event (None for a duplicate), replies of `also`); a repeated message_id returns the
+        first one's ids. A session this process has not seen is looked up first, so a request
+        for an unknown one writes nothing."""
         k = SessionKeys(sid)
         body = event_body(message.turn_id, {"message_id": message.message_id, "text": message.text})
         args: list[str | bytes | int] = [
@@ -144,8 +152,9 @@ class Store:
         )
         if res[0] == b"dup":
             turn_id, received_id = res[1].decode().split(" ", 1)
-            return True, turn_id, received_id, extra
-        return False, message.turn_id, res[1].decode(), extra
+            return True, turn_id, received_id, None, extra
+        event = written(sid, [res[1]], int(res[2]), [("message.received", body)])[0]
+        return False, message.turn_id, event.id, event, extra
 
     async def enqueue(
         self, sid: str, owner: str, entry: InboxMessage, *, also: Callable[[Pipeline], None]
@@ -237,6 +246,7 @@ class Store:
             },
             last_in=int(res[11][0] or 0),
             last_est=int(res[11][1] or 0),
+            started=made(sid, res[8], str(res[12]).encode(), _started_type(message), res[13]) if res[8] else None,
         )
 
     async def commit(
@@ -267,9 +277,11 @@ class Store:
         for r in requests:
             args += (r.request_id, _enc.encode(r))
         args.append(len(answers))
+        resolved: list[tuple[str, bytes]] = []
         for rid, answer in answers:
             data = {"request_id": rid, "decision": answer.decision, "reason": answer.reason}
-            args += (rid, _enc.encode(answer), event_body(turn_id, data))
+            resolved.append(("input.resolved", event_body(turn_id, data)))
+            args += (rid, _enc.encode(answer), resolved[-1][1])
         for etype, body in events:
             args += (etype, body)
         res = await self._commit(
@@ -281,8 +293,9 @@ class Store:
             self._cache.extend(sid, list(items), int(res[2]))
         else:
             self._cache.put(sid, int(res[2]) - len(items), list(items))
+        emitted = [resolved[int(n)] for n in res[5]] + list(events)
         return Committed(
-            event_ids=[i.decode() for i in res[1]],
+            events=written(sid, res[1], int(res[4]), emitted),
             more=res[0] == b"more",
             paused=res[0] == b"paused",
             cancel=res[3] == b"1",
@@ -298,10 +311,10 @@ class Store:
         failed: bool = False,
         purpose: str = "turn",
         estimate: int | None = None,
-    ) -> str:
+    ) -> StoredEvent:
         """Account one provider attempt, before its step commits (I5); a failed attempt too.
         `estimate`: keel's estimate of the request, kept with its reported input tokens (turn
-        calls only) for compaction's threshold. Returns the event id."""
+        calls only) for compaction's threshold. Returns the usage.recorded event."""
         k = SessionKeys(sid)
         data: dict[str, Any] = {
             "step": step,
@@ -314,9 +327,10 @@ class Store:
         if purpose != "turn":
             data["purpose"] = purpose
         args: list[int | bytes | str] = [self.retention, usage.input_tokens, usage.output_tokens, usage.cached_tokens]
-        args += (event_body(turn_id, data), "" if estimate is None or failed else estimate)
-        eid: bytes = await self._usage(keys=[k.meta, k.outbox], args=args)
-        return eid.decode()
+        body = event_body(turn_id, data)
+        args += (body, "" if estimate is None or failed else estimate)
+        res = await self._usage(keys=[k.meta, k.outbox], args=args)
+        return written(sid, [res[0]], int(res[1]), [("usage.recorded", body)])[0]
 
     async def count_attempt(self, sid: str) -> None:
         """Count a model call about to be made, when no commit or BEGIN just did."""
@@ -343,7 +357,8 @@ class Store:
             raise NotFound(f"no approval request {request_id} in session {sid}", code="request_not_found")
         if tag == b"answered":
             return Responded(recorded=False, answer=answer_decoder.decode(res[1]))
-        return Responded(recorded=True, answer=answer, runnable=int(res[2]) == 0)
+        event = made(sid, res[1], str(res[3]).encode(), b"input.resolved", res[4])
+        return Responded(recorded=True, answer=answer, runnable=int(res[2]) == 0, event=event)
 
     async def open_requests(self, sid: str, meta: dict[str, str]) -> list[ApprovalRequest]:
         """The paused turn's requests that have no answer yet, in the order they were made."""
@@ -400,12 +415,26 @@ class StoredEvent(NamedTuple):
     id: str
     type: str
     raw: bytes  # the envelope as JSON, byte-identical on every delivery
+    seq: int  # the per-session counter: consecutive, so a gap shows
 
 
 def envelope(sid: str, eid: bytes, fields: dict[bytes, bytes]) -> StoredEvent:
-    etype = fields[b"t"]
-    out = b'{"id":"' + eid + b'","seq":' + fields[b"s"] + b',"type":"' + etype + b'","session_id":'
-    return StoredEvent(eid.decode(), etype.decode(), out + _enc.encode(sid) + b"," + fields[b"b"])
+    """An event as read back from the outbox stream."""
+    return made(sid, eid, fields[b"s"], fields[b"t"], fields[b"b"])
+
+
+def made(sid: str, eid: bytes, seq: bytes, etype: bytes, body: bytes) -> StoredEvent:
+    """An event as its commit wrote it: the same bytes a read of the outbox gives."""
+    out = b'{"id":"' + eid + b'","seq":' + seq + b',"type":"' + etype + b'","session_id":'
+    return StoredEvent(eid.decode(), etype.decode(), out + _enc.encode(sid) + b"," + body, int(seq))
+
+
+def written(sid: str, ids: list[bytes], first_seq: int, events: Sequence[tuple[str, bytes]]) -> list[StoredEvent]:
+    """The events a script emitted, in order (their seqs are consecutive from `first_seq`)."""
+    return [
+        made(sid, eid, str(first_seq + n).encode(), etype.encode(), body)
+        for n, (eid, (etype, body)) in enumerate(zip(ids, events, strict=True))
+    ]
 
 
 def decode_data(raw: bytes) -> dict[str, Any]:

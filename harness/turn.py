@@ -24,15 +24,15 @@ from harness.ids import new_id
 from harness.models.base import ModelReply, ModelRequest
 from harness.prompt import assemble, new_input, user_item
 from harness.runtime import changed, newest_snapshot, snapshot_item
-from harness.store import Begun, Committed, Store, event_body
+from harness.store import Begun, Committed, Store, StoredEvent, event_body
 from harness.tokens import request_tokens
 from harness.tools import ToolContext
 from harness.types import Answer, ApprovalRequest, Item, ToolCall, Usage
 
 log = logging.getLogger("keel.turn")
 _enc = msgspec.json.Encoder()
-# Called after each commit: (session id, newest event id, whether the commit settled the turn).
-Publish = Callable[[str, str, bool], None]
+# Called after each write: (session id, the events it wrote, whether it settled the turn).
+Publish = Callable[[str, list[StoredEvent], bool], None]
 
 
 @dataclass(frozen=True)
@@ -153,11 +153,13 @@ class TurnRunner:
             raise
         except Exception as exc:
             log.warning("session %s turn %s: model failed: %s", self.sid, self.turn_id, type(exc).__name__)
-            await self.store.record_usage(self.sid, self.turn_id, step, Usage(), failed=True)  # it may be billed
+            failed = await self.store.record_usage(self.sid, self.turn_id, step, Usage(), failed=True)  # may be billed
+            self._publish(self.sid, [failed], False)
             return await self.fail("model_error", f"the model call failed: {type(exc).__name__}: {exc}")
         # The attempt is accounted before its step commits: a retried step shows both (I5).
         usage = reply.usage or Usage()
-        await self.store.record_usage(self.sid, self.turn_id, step, usage, estimate=estimate)
+        recorded = await self.store.record_usage(self.sid, self.turn_id, step, usage, estimate=estimate)
+        self._publish(self.sid, [recorded], False)
         if estimate is not None:
             self.last_in, self.last_est = usage.input_tokens, estimate
         return await self._commit_reply(reply)
@@ -395,8 +397,8 @@ class TurnRunner:
             raise
         if after is not None:
             failpoints.reached(after)
-        if committed.event_ids:
-            self._publish(self.sid, committed.event_ids[-1], mode != "step")
+        if committed.events:
+            self._publish(self.sid, committed.events, mode != "step")
         return committed
 
     def _event(self, etype: str, data: dict[str, Any]) -> tuple[str, bytes]:

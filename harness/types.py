@@ -102,6 +102,7 @@ class SubmitResult(msgspec.Struct, frozen=True):
     turn_id: str
     received_id: str
     duplicate: bool
+    received_seq: int = 0  # the seq of its message.received (0 for a duplicate)
 
 
 class TurnResult(msgspec.Struct, frozen=True):
