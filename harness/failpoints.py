@@ -48,3 +48,9 @@ def reached(name: str) -> None:
             sys.stderr.write(f"keel: failpoint {name}: exiting\n")
             sys.stderr.flush()
             os._exit(137)
+
+
+def armed(name: str) -> bool:
+    """Whether the point is armed (so code that folds two writes into one round trip can keep
+    the state between them reachable for the crash tests)."""
+    return name in _armed

@@ -68,6 +68,15 @@ class Busy(msgspec.Struct, frozen=True):
     retry_ms: int
 
 
+class UsageRecord(msgspec.Struct, frozen=True):
+    """A provider attempt's tokens, written in the same round trip as its step's commit (and
+    just before it), so a retried step still shows both attempts (I5)."""
+
+    step: int
+    usage: Usage
+    estimate: int | None = None  # keel's estimate of the request (when compaction needs it)
+
+
 class Committed(msgspec.Struct, frozen=True):
     events: list[StoredEvent]  # what the commit wrote to the outbox, in order
     more: bool = False  # final commit only: the inbox has another message, lease kept
@@ -262,12 +271,15 @@ class Store:
         answers: Sequence[tuple[str, Answer]] = (),
         attempt: bool = False,
         rebase: int | None = None,
+        usage: UsageRecord | None = None,
     ) -> Committed:
         """Commit a step (mode "step"), the end of a turn ("final"), or a pause for the
         approval `requests` ("pause"). `answers` records answers the harness gives itself
         (withdrawn requests of a cancelled turn). `attempt`: a model call follows; count it now.
         `rebase`: `items` become the whole active history (compaction, clear), the current
-        turn's items beginning at that offset in them."""
+        turn's items beginning at that offset in them. `usage`: the model call's tokens, written
+        just before the commit in the same round trip (its usage.recorded comes first in
+        `events`; written even if the commit is refused as stale)."""
         k = SessionKeys(sid)
         waiting_on = " ".join(r.request_id for r in requests) if mode == "pause" else ""
         args: list[Any] = [fence, turn_id, self.retention, COMMIT_MODE[mode], waiting_on, int(attempt)]
@@ -284,9 +296,16 @@ class Store:
             args += (rid, _enc.encode(answer), resolved[-1][1])
         for etype, body in events:
             args += (etype, body)
-        res = await self._commit(
-            keys=[k.meta, k.lease, k.history, k.outbox, k.inbox, k.pending, k.decisions], args=args
-        )
+        keys = [k.meta, k.lease, k.history, k.outbox, k.inbox, k.pending, k.decisions]
+        recorded: list[StoredEvent] = []
+        if usage is None:
+            res = await self._commit(keys=keys, args=args)
+        else:
+            body, usage_args = self._usage_call(
+                turn_id, usage.step, usage.usage, failed=False, purpose="turn", estimate=usage.estimate
+            )
+            got, res = await self._scripts([(self._usage, [k.meta, k.outbox], usage_args), (self._commit, keys, args)])
+            recorded = written(sid, [got[0]], int(got[1]), [("usage.recorded", body)])
         if res[0] == b"stale":
             raise StaleLease(f"session {sid}: lease {fence} is no longer held")
         if rebase is None:
@@ -295,7 +314,7 @@ class Store:
             self._cache.put(sid, int(res[2]) - len(items), list(items))
         emitted = [resolved[int(n)] for n in res[5]] + list(events)
         return Committed(
-            events=written(sid, res[1], int(res[4]), emitted),
+            events=recorded + written(sid, res[1], int(res[4]), emitted),
             more=res[0] == b"more",
             paused=res[0] == b"paused",
             cancel=res[3] == b"1",
@@ -316,6 +335,14 @@ class Store:
         `estimate`: keel's estimate of the request, kept with its reported input tokens (turn
         calls only) for compaction's threshold. Returns the usage.recorded event."""
         k = SessionKeys(sid)
+        body, args = self._usage_call(turn_id, step, usage, failed=failed, purpose=purpose, estimate=estimate)
+        res = await self._usage(keys=[k.meta, k.outbox], args=args)
+        return written(sid, [res[0]], int(res[1]), [("usage.recorded", body)])[0]
+
+    def _usage_call(
+        self, turn_id: str, step: int, usage: Usage, *, failed: bool, purpose: str, estimate: int | None
+    ) -> tuple[bytes, list[Any]]:
+        """The usage.recorded body and the USAGE script's arguments."""
         data: dict[str, Any] = {
             "step": step,
             "input_tokens": usage.input_tokens,
@@ -326,11 +353,25 @@ class Store:
             data["failed"] = True
         if purpose != "turn":
             data["purpose"] = purpose
-        args: list[int | bytes | str] = [self.retention, usage.input_tokens, usage.output_tokens, usage.cached_tokens]
         body = event_body(turn_id, data)
-        args += (body, "" if estimate is None or failed else estimate)
-        res = await self._usage(keys=[k.meta, k.outbox], args=args)
-        return written(sid, [res[0]], int(res[1]), [("usage.recorded", body)])[0]
+        args = [self.retention, usage.input_tokens, usage.output_tokens, usage.cached_tokens, body]
+        args.append("" if estimate is None or failed else estimate)
+        return body, args
+
+    async def _scripts(self, calls: list[tuple[Any, list[str], list[Any]]]) -> list[Any]:
+        """Run scripts in order in one round trip. One that Redis does not know (NOSCRIPT, after
+        a restart or SCRIPT FLUSH) did not run: it is loaded and run again on its own."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for script, keys, args in calls:
+                pipe.evalsha(script.sha, len(keys), *keys, *args)  # (see _with: no SCRIPT EXISTS)
+            replies: list[Any] = await pipe.execute(raise_on_error=False)
+        for n, reply in enumerate(replies):
+            if isinstance(reply, NoScriptError):
+                script, keys, args = calls[n]
+                replies[n] = await script(keys=keys, args=args)
+            elif isinstance(reply, Exception):
+                raise reply
+        return replies
 
     async def count_attempt(self, sid: str) -> None:
         """Count a model call about to be made, when no commit or BEGIN just did."""

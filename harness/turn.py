@@ -24,7 +24,7 @@ from harness.ids import new_id
 from harness.models.base import ModelReply, ModelRequest
 from harness.prompt import assemble, new_input, user_item
 from harness.runtime import changed, newest_snapshot, snapshot_item
-from harness.store import Begun, Committed, Store, StoredEvent, event_body
+from harness.store import Begun, Committed, Store, StoredEvent, UsageRecord, event_body
 from harness.tokens import request_tokens
 from harness.tools import ToolContext
 from harness.types import Answer, ApprovalRequest, Item, ToolCall, Usage
@@ -156,13 +156,18 @@ class TurnRunner:
             failed = await self.store.record_usage(self.sid, self.turn_id, step, Usage(), failed=True)  # may be billed
             self._publish(self.sid, [failed], False)
             return await self.fail("model_error", f"the model call failed: {type(exc).__name__}: {exc}")
-        # The attempt is accounted before its step commits: a retried step shows both (I5).
+        # The attempt is accounted before its step commits, in the same round trip: a retried
+        # step shows both (I5). With step.before_commit armed, apart: the crash tests stop the
+        # process between the two (which otherwise happens only if Redis stops between them).
         usage = reply.usage or Usage()
-        recorded = await self.store.record_usage(self.sid, self.turn_id, step, usage, estimate=estimate)
-        self._publish(self.sid, [recorded], False)
+        record: UsageRecord | None = UsageRecord(step, usage, estimate)
+        if failpoints.armed("step.before_commit"):
+            recorded = await self.store.record_usage(self.sid, self.turn_id, step, usage, estimate=estimate)
+            self._publish(self.sid, [recorded], False)
+            record = None
         if estimate is not None:
             self.last_in, self.last_est = usage.input_tokens, estimate
-        return await self._commit_reply(reply)
+        return await self._commit_reply(reply, record)
 
     async def _request(self, step: int) -> ModelRequest:
         return await assemble(
@@ -220,7 +225,7 @@ class TurnRunner:
         """The turn's durable input before its user item: the runtime snapshot, if any."""
         return [self.snapshot] if self.snapshot is not None else []
 
-    async def _commit_reply(self, reply: ModelReply) -> StepOutcome:
+    async def _commit_reply(self, reply: ModelReply, usage: UsageRecord | None) -> StepOutcome:
         # keel's own call ids, always: a provider's may repeat (call_0 in every response), and the
         # id is the request id's root and the tools' idempotency key.
         calls = tuple(ToolCall(c.name, c.arguments, new_id("call")) for c in reply.tool_calls)
@@ -245,7 +250,9 @@ class TurnRunner:
             events.append(self._event("turn.completed", {"message_id": self.message.message_id, "reply": reply.text}))
             mode = "final"
         failpoints.reached("step.before_commit")
-        committed = await self._commit(items, events, mode=mode, requests=requests, after="step.after_commit")
+        committed = await self._commit(
+            items, events, mode=mode, requests=requests, after="step.after_commit", usage=usage
+        )
         self.open_requests += [r.request_id for r in requests]
         self.user_committed = True
         self.turn_items.append(item)
@@ -378,6 +385,7 @@ class TurnRunner:
         after: str | None = None,
         attempt: bool = False,
         rebase: int | None = None,
+        usage: UsageRecord | None = None,
     ) -> Committed:
         try:
             committed = await self.store.commit(
@@ -391,6 +399,7 @@ class TurnRunner:
                 answers=answers or (),
                 attempt=attempt,
                 rebase=rebase,
+                usage=usage,
             )
         except StaleLease:
             log.warning("session %s turn %s: lease lost, stopping", self.sid, self.turn_id)

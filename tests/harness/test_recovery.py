@@ -51,16 +51,18 @@ async def test_an_attempt_whose_reply_dies_with_the_process_is_still_counted(
 ) -> None:
     from harness.store import Store
 
-    real = Store.record_usage
+    real = Store.commit
     died: list[int] = []
 
-    async def dying(self: Store, *args: Any, **kw: Any) -> str:
-        if not died:  # the process "dies" after the provider answered, before the tokens are written
+    async def dying(self: Store, *args: Any, **kw: Any) -> Any:
+        # the process "dies" after the provider answered, before its tokens (written together
+        # with the step's commit, in one round trip) reach Redis
+        if not died and kw.get("usage") is not None:
             died.append(1)
             raise RuntimeError("process died")
         return await real(self, *args, **kw)
 
-    monkeypatch.setattr(Store, "record_usage", dying)
+    monkeypatch.setattr(Store, "commit", dying)
     model = ScriptedModel(lambda r: ModelReply(text="hi"))
     h = await make_harness(Agent(instructions="t", model=model), lease_ms=500)
     sid = await h.create_session("anon")
