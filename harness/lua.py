@@ -32,9 +32,11 @@ end
 # ones after it are consecutive), returned so the caller can build the envelopes it committed.
 _EMIT = """
 local first_seq = 0
+local last_seq = 0
 local function emit(meta, outbox, retention, etype, body)
   local seq = redis.call('HINCRBY', meta, 'seq', 1)
   if first_seq == 0 then first_seq = seq end
+  last_seq = seq
   return redis.call('XADD', outbox, 'MAXLEN', '~', retention, '*', 's', seq, 't', etype, 'b', body)
 end
 """
@@ -52,23 +54,6 @@ return {'ok', id, first_seq}
 """
 )
 
-# KEYS: meta, inbox, mids, outbox.
-# ARGV: owner, message_id, turn_id, inbox_json_tail (the encoded InboxMessage without its
-#       opening brace), retention, event_body
-SUBMIT = (
-    _OWNS
-    + _EMIT
-    + """
-if not owns(KEYS[1], ARGV[1]) then return {'missing'} end
-local prev = redis.call('HGET', KEYS[3], ARGV[2])
-if prev then return {'dup', prev} end
-local id = emit(KEYS[1], KEYS[4], ARGV[5], 'message.received', ARGV[6])
-redis.call('HSET', KEYS[3], ARGV[2], ARGV[3] .. ' ' .. id)
-redis.call('RPUSH', KEYS[2], '{"received_id":"' .. id .. '",' .. ARGV[4])
-if redis.call('HGET', KEYS[1], 'status') == 'idle' then redis.call('HSET', KEYS[1], 'status', 'running') end
-return {'new', id, first_seq}
-"""
-)
 
 # Queues a compact or clear behind the turns before it. KEYS: meta, inbox. ARGV: owner, entry_json
 ENQUEUE = (
@@ -88,62 +73,96 @@ return {'ok'}
 # A turn paused for approval is not taken until its requests are all answered (or it is
 # cancelled). History comes back from `have_start + have_len` on when the caller's cached copy
 # starts at the same index and is not longer than the list; else all of the active history.
-# KEYS: meta, inbox, lease, history, sticky, outbox, decisions.
-# ARGV: current_fence (this runner's token, or ''), lease_ttl_ms, now, retention, have_start, have_len
-BEGIN = (
-    _EMIT
-    + """
-if redis.call('EXISTS', KEYS[1]) == 0 then return {'missing'} end
-local head = redis.call('LINDEX', KEYS[2], 0)
-if not head then return {'empty'} end
-local m = cjson.decode(head)
-local cancel = redis.call('HGET', KEYS[1], 'cancel') == m.turn_id
-if redis.call('HGET', KEYS[1], 'status') == 'waiting' and not cancel
-   and tonumber(redis.call('HGET', KEYS[1], 'undecided') or 0) > 0 then
-  return {'waiting'}
-end
-local holder = redis.call('GET', KEYS[3])
-if holder and holder ~= ARGV[1] then return {'busy', redis.call('PTTL', KEYS[3])} end
-local fence = redis.call('HINCRBY', KEYS[1], 'fence', 1)
-redis.call('SET', KEYS[3], fence, 'PX', ARGV[2])
-local started = ''
-local started_body = ''
-local kind = m.kind or 'message'
-if redis.call('HGET', KEYS[1], 'turn') ~= m.turn_id then
-  if kind == 'message' and type(m.sticky) == 'table' then
-    for k, v in pairs(m.sticky) do
-      if v == cjson.null then redis.call('HDEL', KEYS[5], k)
-      elseif type(v) == 'string' then redis.call('HSET', KEYS[5], k, v) end
+# `begin_turn` is shared with SUBMIT, which begins the turn of a message it finds alone.
+# KEYS (K): meta, inbox, lease, history, sticky, outbox, decisions.
+# ARGV (A): current_fence (this runner's token, or ''), lease_ttl_ms, now, retention, have_start, have_len
+_BEGIN_TURN = """
+local function begin_turn(K, A)
+  if redis.call('EXISTS', K[1]) == 0 then return {'missing'} end
+  local head = redis.call('LINDEX', K[2], 0)
+  if not head then return {'empty'} end
+  local m = cjson.decode(head)
+  local cancel = redis.call('HGET', K[1], 'cancel') == m.turn_id
+  if redis.call('HGET', K[1], 'status') == 'waiting' and not cancel
+     and tonumber(redis.call('HGET', K[1], 'undecided') or 0) > 0 then
+    return {'waiting'}
+  end
+  local holder = redis.call('GET', K[3])
+  if holder and holder ~= A[1] then return {'busy', redis.call('PTTL', K[3])} end
+  local fence = redis.call('HINCRBY', K[1], 'fence', 1)
+  redis.call('SET', K[3], fence, 'PX', A[2])
+  local started = ''
+  local started_body = ''
+  local started_seq = 0
+  local kind = m.kind or 'message'
+  if redis.call('HGET', K[1], 'turn') ~= m.turn_id then
+    if kind == 'message' and type(m.sticky) == 'table' then
+      for k, v in pairs(m.sticky) do
+        if v == cjson.null then redis.call('HDEL', K[5], k)
+        elseif type(v) == 'string' then redis.call('HSET', K[5], k, v) end
+      end
     end
+    redis.call('HSET', K[1], 'turn', m.turn_id, 'turn_start', redis.call('LLEN', K[4]), 'status', 'running',
+      'waiting_on', '', 'undecided', 0)
+    local env = '"turn_id":"' .. m.turn_id .. '","at":' .. A[3] .. ',"data":'
+    if kind == 'message' then
+      started_body = env .. '{"message_id":' .. cjson.encode(m.message_id) .. '}}'
+      started = emit(K[1], K[6], A[4], 'turn.started', started_body)
+      started_seq = last_seq
+      if not cancel then redis.call('HINCRBY', K[1], 'u_calls', 1) end  -- the model call that comes next
+    elseif kind == 'compact' then
+      started_body = env .. '{"reason":"manual"}}'
+      started = emit(K[1], K[6], A[4], 'compaction.requested', started_body)
+      started_seq = last_seq
+    end
+  else
+    redis.call('HSET', K[1], 'status', 'running')
   end
-  redis.call('HSET', KEYS[1], 'turn', m.turn_id, 'turn_start', redis.call('LLEN', KEYS[4]), 'status', 'running',
-    'waiting_on', '', 'undecided', 0)
-  local env = '"turn_id":"' .. m.turn_id .. '","at":' .. ARGV[3] .. ',"data":'
-  if kind == 'message' then
-    started_body = env .. '{"message_id":' .. cjson.encode(m.message_id) .. '}}'
-    started = emit(KEYS[1], KEYS[6], ARGV[4], 'turn.started', started_body)
-    if not cancel then redis.call('HINCRBY', KEYS[1], 'u_calls', 1) end  -- the model call that comes next
-  elseif kind == 'compact' then
-    started_body = env .. '{"reason":"manual"}}'
-    started = emit(KEYS[1], KEYS[6], ARGV[4], 'compaction.requested', started_body)
+  local start = tonumber(redis.call('HGET', K[1], 'hist_start'))
+  local turn_start = tonumber(redis.call('HGET', K[1], 'turn_start'))
+  local from = start
+  local have = tonumber(A[6])
+  if tonumber(A[5]) == start and start + have <= redis.call('LLEN', K[4]) then from = start + have end
+  local waiting_on = redis.call('HGET', K[1], 'waiting_on') or ''
+  local decisions = {}
+  for rid in string.gmatch(waiting_on, '%S+') do
+    decisions[#decisions + 1] = rid
+    decisions[#decisions + 1] = redis.call('HGET', K[7], rid) or ''
   end
-else
-  redis.call('HSET', KEYS[1], 'status', 'running')
+  return {'ok', fence, head, turn_start - start, redis.call('HGETALL', K[5]),
+    redis.call('LRANGE', K[4], from, -1), start, from - start, started, cancel and '1' or '', decisions,
+    redis.call('HMGET', K[1], 'last_in', 'last_est'), started_seq, started_body}
 end
-local start = tonumber(redis.call('HGET', KEYS[1], 'hist_start'))
-local turn_start = tonumber(redis.call('HGET', KEYS[1], 'turn_start'))
-local from = start
-local have = tonumber(ARGV[6])
-if tonumber(ARGV[5]) == start and start + have <= redis.call('LLEN', KEYS[4]) then from = start + have end
-local waiting_on = redis.call('HGET', KEYS[1], 'waiting_on') or ''
-local decisions = {}
-for rid in string.gmatch(waiting_on, '%S+') do
-  decisions[#decisions + 1] = rid
-  decisions[#decisions + 1] = redis.call('HGET', KEYS[7], rid) or ''
+"""
+
+BEGIN = _EMIT + _BEGIN_TURN + "return begin_turn(KEYS, ARGV)\n"
+
+# KEYS: meta, inbox, mids, outbox, lease, history, sticky, decisions.
+# ARGV: owner, message_id, turn_id, inbox_json_tail (the encoded InboxMessage without its
+#       opening brace), retention, event_body, then, to begin the turn at once: begin ('1' or
+#       ''), lease_ttl_ms, now, have_start, have_len.
+# With begin='1' (a process that runs turns, and runs none of this session's now), a message
+# that is alone in the inbox, with the lease free, has its turn begun in the same script:
+# {'new', id, seq, <what BEGIN returns>}. Otherwise {'new', id, seq} and BEGIN follows.
+SUBMIT = (
+    _OWNS
+    + _EMIT
+    + _BEGIN_TURN
+    + """
+if not owns(KEYS[1], ARGV[1]) then return {'missing'} end
+local prev = redis.call('HGET', KEYS[3], ARGV[2])
+if prev then return {'dup', prev} end
+local id = emit(KEYS[1], KEYS[4], ARGV[5], 'message.received', ARGV[6])
+local seq = last_seq
+redis.call('HSET', KEYS[3], ARGV[2], ARGV[3] .. ' ' .. id)
+if redis.call('RPUSH', KEYS[2], '{"received_id":"' .. id .. '",' .. ARGV[4]) == 1 and ARGV[7] == '1'
+   and redis.call('EXISTS', KEYS[5]) == 0 then
+  local began = begin_turn({KEYS[1], KEYS[2], KEYS[5], KEYS[6], KEYS[7], KEYS[4], KEYS[8]},
+    {'', ARGV[8], ARGV[9], ARGV[5], ARGV[10], ARGV[11]})
+  return {'new', id, seq, began}
 end
-return {'ok', fence, head, turn_start - start, redis.call('HGETALL', KEYS[5]),
-  redis.call('LRANGE', KEYS[4], from, -1), start, from - start, started, cancel and '1' or '', decisions,
-  redis.call('HMGET', KEYS[1], 'last_in', 'last_est'), first_seq, started_body}
+if redis.call('HGET', KEYS[1], 'status') == 'idle' then redis.call('HSET', KEYS[1], 'status', 'running') end
+return {'new', id, seq}
 """
 )
 

@@ -83,6 +83,32 @@ class Runner:
             self._kicked[sid] = job_id
         self._run(sid)
 
+    def reserve(self, sid: str) -> bool:
+        """Hold the session for a submit that may begin its turn (SUBMIT begins the turn of a
+        message it finds alone). While held, a job for it off the stream is only noted. False if
+        the session is running here already, or no slot is free: then submit as usual."""
+        if sid in self._active or self._slots.locked():
+            return False
+        self._active.add(sid)
+        self._jobs[sid] = []
+        return True
+
+    def adopt(self, sid: str, job_id: str | None, begun: Begun | None) -> None:
+        """The reserved submit is done: run the turn it began, or (None) drain as usual; with
+        no job id (the submit failed) just let the session go, draining what came meanwhile."""
+        if begun is None:
+            jobs = self._jobs.pop(sid, [])
+            self._active.discard(sid)
+            self._again.discard(sid)
+            for job in jobs:
+                self._run(sid, job)
+            if job_id is not None:
+                self.kick(sid, job_id)
+            return
+        if job_id is not None:
+            self._kicked[sid] = job_id
+        self._start(sid, begun)
+
     # ---- jobs from the stream ----------------------------------------------------------
 
     async def _loop(self) -> None:
@@ -146,7 +172,10 @@ class Runner:
             return
         self._active.add(sid)
         self._jobs[sid] = [] if job_id is None else [job_id]
-        task = asyncio.create_task(self._session(sid), name=f"keel-session-{sid}")
+        self._start(sid, None)
+
+    def _start(self, sid: str, first: Begun | None) -> None:
+        task = asyncio.create_task(self._session(sid, first), name=f"keel-session-{sid}")
         self._tasks.add(task)
         task.add_done_callback(self._done)
 
@@ -159,7 +188,7 @@ class Runner:
         if not task.cancelled() and task.exception() is not None:
             log.error("runner failed", exc_info=task.exception())
 
-    async def _session(self, sid: str) -> None:
+    async def _session(self, sid: str, first: Begun | None = None) -> None:
         """Drain the session until no new work arrived meanwhile; then acknowledge its jobs,
         unless the lease went to another runner (which then owns the work, and the jobs stay)."""
         drained = False
@@ -170,7 +199,8 @@ class Runner:
                     mark = _newest(self._kicked.pop(sid, None), *self._jobs[sid])
                     if mark is not None:
                         self._marks[sid] = mark  # jobs up to here are seen by this drain
-                    if not await self._drain(sid):
+                    drained, first = await self._drain(sid, first), None
+                    if not drained:
                         return
                     if mark is not None:
                         self._cover(sid, mark)
@@ -193,11 +223,16 @@ class Runner:
         if prev is None or stream_key(job_id) > stream_key(prev):
             self._covered[sid] = job_id
 
-    async def _drain(self, sid: str) -> bool:
-        """Run turns until the inbox is empty. False if the lease was lost to another runner."""
+    async def _drain(self, sid: str, first: Begun | None = None) -> bool:
+        """Run turns (from `first`, a turn already begun) until the inbox is empty. False if the
+        lease was lost to another runner."""
         fence = ""
         while True:
-            begun = await self.store.begin(sid, fence, self.lease_ms)
+            begun: Begun | Busy | None = first
+            if first is not None:
+                first = None
+            else:
+                begun = await self.store.begin(sid, fence, self.lease_ms)
             if begun is None:
                 return True
             if isinstance(begun, Busy):

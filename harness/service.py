@@ -128,13 +128,29 @@ class Harness:
         )
         # The job goes in the same round trip, even for a duplicate: had the first attempt died
         # between recording the message and enqueueing its job, the client's retry repairs it.
-        duplicate, turn_id, received_id, received, (job_id,) = await self.store.submit(
-            sid, owner, message, also=lambda pipe: JobQueue.enqueue_into(pipe, sid)
-        )
+        # A process that runs turns, and runs none of this session's now, lets SUBMIT begin the
+        # turn too (one round trip less); the session is held meanwhile, so that its job coming
+        # back off the stream cannot start a second drain.
+        runner = self.runner
+        reserved = runner is not None and runner.reserve(sid)
+        try:
+            duplicate, turn_id, received_id, received, began, (job_id,) = await self.store.submit(
+                sid,
+                owner,
+                message,
+                also=lambda pipe: JobQueue.enqueue_into(pipe, sid),
+                begin_lease_ms=runner.lease_ms if runner is not None and reserved else None,
+            )
+        except BaseException:
+            if runner is not None and reserved:
+                runner.adopt(sid, None, None)
+            raise
         if received is not None:
             self.hub.publish(sid, [received], settled=False)
-        if self.runner is not None:
-            self.runner.kick(sid, job_id.decode())
+        if runner is not None and reserved:
+            runner.adopt(sid, job_id.decode(), began)
+        elif runner is not None:
+            runner.kick(sid, job_id.decode())
         return SubmitResult(
             session_id=sid,
             message_id=message_id,

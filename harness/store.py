@@ -138,13 +138,20 @@ class Store:
         return int(await self.redis.llen(SessionKeys(sid).inbox))
 
     async def submit(
-        self, sid: str, owner: str, message: InboxMessage, *, also: Callable[[Pipeline], None]
-    ) -> tuple[bool, str, str, StoredEvent | None, list[Any]]:
+        self,
+        sid: str,
+        owner: str,
+        message: InboxMessage,
+        *,
+        also: Callable[[Pipeline], None],
+        begin_lease_ms: int | None = None,
+    ) -> tuple[bool, str, str, StoredEvent | None, Begun | None, list[Any]]:
         """Record a message with its message.received event and, in the same round trip, what
         `also` adds to the pipeline (the job). Returns (duplicate, turn_id, received event id,
         the event (None for a duplicate), replies of `also`); a repeated message_id returns the
         first one's ids. A session this process has not seen is looked up first, so a request
-        for an unknown one writes nothing."""
+        for an unknown one writes nothing. With `begin_lease_ms`, a message that is alone in the
+        inbox (lease free) has its turn begun in the same script: the Begun comes back too."""
         k = SessionKeys(sid)
         body = event_body(message.turn_id, {"message_id": message.message_id, "text": message.text})
         args: list[str | bytes | int] = [
@@ -155,15 +162,19 @@ class Store:
             self.retention,
             body,
         ]
-        keys = [k.meta, k.inbox, k.mids, k.outbox]
+        have_start, have = self._cached(sid)
+        if begin_lease_ms is not None:
+            args += ("1", begin_lease_ms, repr(time.time()), have_start, len(have))
+        keys = [k.meta, k.inbox, k.mids, k.outbox, k.lease, k.history, k.sticky, k.decisions]
         res, extra = await self._with(
             sid, owner=owner, script=self._submit, source=lua.SUBMIT, keys=keys, args=args, also=also
         )
         if res[0] == b"dup":
             turn_id, received_id = res[1].decode().split(" ", 1)
-            return True, turn_id, received_id, None, extra
+            return True, turn_id, received_id, None, None, extra
         event = written(sid, [res[1]], int(res[2]), [("message.received", body)])[0]
-        return False, message.turn_id, event.id, event, extra
+        began = self._begun(sid, res[3], have) if len(res) > 3 else None
+        return False, message.turn_id, event.id, event, began if isinstance(began, Begun) else None, extra
 
     async def enqueue(
         self, sid: str, owner: str, entry: InboxMessage, *, also: Callable[[Pipeline], None]
@@ -222,12 +233,19 @@ class Store:
     async def begin(self, sid: str, fence: str, lease_ms: int) -> Begun | Busy | None:
         """Take the session for its next turn. None: nothing to do (or no session)."""
         k = SessionKeys(sid)
-        cached = self._cache.get(sid)
-        have_start, have = (cached[0], cached[1]) if cached is not None else (-1, [])
+        have_start, have = self._cached(sid)
         res = await self._begin(
             keys=[k.meta, k.inbox, k.lease, k.history, k.sticky, k.outbox, k.decisions],
             args=[fence, lease_ms, repr(time.time()), self.retention, have_start, len(have)],
         )
+        return self._begun(sid, res, have)
+
+    def _cached(self, sid: str) -> tuple[int, list[Item]]:
+        cached = self._cache.get(sid)
+        return (cached[0], cached[1]) if cached is not None else (-1, [])
+
+    def _begun(self, sid: str, res: list[Any], have: list[Item]) -> Begun | Busy | None:
+        """BEGIN's reply (or the one SUBMIT gives when it began the turn), decoded."""
         tag = res[0]
         if tag == b"busy":
             return Busy(retry_ms=max(int(res[1]), 1))
