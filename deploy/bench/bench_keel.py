@@ -4,8 +4,11 @@
     KEEL_BENCH_VARIANT=tool ...   (or: .venv/bin/python deploy/bench/bench_keel.py --variant tool --port P)
 
 One turn is what a channel does for `POST .../messages?wait=true`, without HTTP: the message is
-recorded with its event, the job queued, the runner leases the session, the zero-latency model
-answers, the reply and its events are committed, and the waiter reads them from the outbox.
+recorded with its event and the job queued, the turn begun (lease, fencing token, turn.started)
+in the same script, the zero-latency model answers, its usage and the reply with its events are
+committed in one round trip, and the waiter gets the committed events (as it would read them
+from the outbox; it reads the stream when anything came from elsewhere). Two round trips on the
+turn's path; the job coming back off the stream and its batched acknowledgement are off it.
 Variants: plain; tool (one tool call per turn); long (a 1,000-turn session: compare the first
 and last 100 turns' p50).
 """
@@ -88,7 +91,7 @@ async def teardown(ctx: Any) -> None:
 if __name__ == "__main__":
     variant = os.environ.get("KEEL_BENCH_VARIANT")
     names = {
-        "plain": ("keel (in-process harness: submit, lease, commit, outbox read)", "Valkey 9 AOF everysec"),
+        "plain": ("keel (in-process: submit+begin, usage+commit, events)", "Valkey 9 AOF everysec"),
         "tool": ("keel + 1 function tool/turn", "Valkey 9 AOF everysec"),
         "long": ("keel, 1,000-turn session", "Valkey 9 AOF everysec"),
     }

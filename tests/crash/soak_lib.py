@@ -584,7 +584,18 @@ class SessionRun:
     # ---- the checks ---------------------------------------------------------------------------
 
     async def _replay(self, n: int) -> list[dict[str, Any]]:
-        """The first `n` events of the outbox, as a new SSE connection replays them."""
+        """The first `n` events of the outbox, as a new SSE connection replays them. A failpoint
+        the workload finished before reaching (outbox.after_publish@N counts these writes too)
+        may stop keel during this read: then, as any client, read again from its replacement."""
+        for _ in range(2):
+            gen = self.trial.sup.gen
+            try:
+                return await self._replay_once(n)
+            except httpx.TransportError:
+                await self.trial.sup.wait_past(gen, 30)
+        return await self._replay_once(n)
+
+    async def _replay_once(self, n: int) -> list[dict[str, Any]]:
         events: list[dict[str, Any]] = []
         async with (
             asyncio.timeout(10),
