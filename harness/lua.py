@@ -78,13 +78,14 @@ return {'ok'}
 # ARGV (A): current_fence (this runner's token, or ''), lease_ttl_ms, now, retention, have_start, have_len
 _BEGIN_TURN = """
 local function begin_turn(K, A)
-  if redis.call('EXISTS', K[1]) == 0 then return {'missing'} end
+  local meta = redis.call('HMGET', K[1], 'owner', 'cancel', 'status', 'undecided', 'turn', 'hist_start',
+    'turn_start', 'waiting_on', 'last_in', 'last_est')
+  if not meta[1] then return {'missing'} end
   local head = redis.call('LINDEX', K[2], 0)
   if not head then return {'empty'} end
   local m = cjson.decode(head)
-  local cancel = redis.call('HGET', K[1], 'cancel') == m.turn_id
-  if redis.call('HGET', K[1], 'status') == 'waiting' and not cancel
-     and tonumber(redis.call('HGET', K[1], 'undecided') or 0) > 0 then
+  local cancel = meta[2] == m.turn_id
+  if meta[3] == 'waiting' and not cancel and tonumber(meta[4] or 0) > 0 then
     return {'waiting'}
   end
   local holder = redis.call('GET', K[3])
@@ -95,14 +96,18 @@ local function begin_turn(K, A)
   local started_body = ''
   local started_seq = 0
   local kind = m.kind or 'message'
-  if redis.call('HGET', K[1], 'turn') ~= m.turn_id then
+  local length = redis.call('LLEN', K[4])
+  local turn_start = tonumber(meta[7])
+  local waiting_on = meta[8] or ''
+  if meta[5] ~= m.turn_id then
     if kind == 'message' and type(m.sticky) == 'table' then
       for k, v in pairs(m.sticky) do
         if v == cjson.null then redis.call('HDEL', K[5], k)
         elseif type(v) == 'string' then redis.call('HSET', K[5], k, v) end
       end
     end
-    redis.call('HSET', K[1], 'turn', m.turn_id, 'turn_start', redis.call('LLEN', K[4]), 'status', 'running',
+    turn_start, waiting_on = length, ''
+    redis.call('HSET', K[1], 'turn', m.turn_id, 'turn_start', turn_start, 'status', 'running',
       'waiting_on', '', 'undecided', 0)
     local env = '"turn_id":"' .. m.turn_id .. '","at":' .. A[3] .. ',"data":'
     if kind == 'message' then
@@ -118,12 +123,10 @@ local function begin_turn(K, A)
   else
     redis.call('HSET', K[1], 'status', 'running')
   end
-  local start = tonumber(redis.call('HGET', K[1], 'hist_start'))
-  local turn_start = tonumber(redis.call('HGET', K[1], 'turn_start'))
+  local start = tonumber(meta[6])
   local from = start
   local have = tonumber(A[6])
-  if tonumber(A[5]) == start and start + have <= redis.call('LLEN', K[4]) then from = start + have end
-  local waiting_on = redis.call('HGET', K[1], 'waiting_on') or ''
+  if tonumber(A[5]) == start and start + have <= length then from = start + have end
   local decisions = {}
   for rid in string.gmatch(waiting_on, '%S+') do
     decisions[#decisions + 1] = rid
@@ -131,7 +134,7 @@ local function begin_turn(K, A)
   end
   return {'ok', fence, head, turn_start - start, redis.call('HGETALL', K[5]),
     redis.call('LRANGE', K[4], from, -1), start, from - start, started, cancel and '1' or '', decisions,
-    redis.call('HMGET', K[1], 'last_in', 'last_est'), started_seq, started_body}
+    {meta[9], meta[10]}, started_seq, started_body}
 end
 """
 
@@ -182,7 +185,8 @@ return {'new', id, seq}
 COMMIT = (
     _EMIT
     + """
-if redis.call('GET', KEYS[2]) ~= ARGV[1] or redis.call('HGET', KEYS[1], 'turn') ~= ARGV[2] then
+local state = redis.call('HMGET', KEYS[1], 'turn', 'cancel')
+if redis.call('GET', KEYS[2]) ~= ARGV[1] or state[1] ~= ARGV[2] then
   return {'stale'}
 end
 local i = 8
@@ -212,7 +216,7 @@ for j = i, #ARGV, 2 do
   ids[#ids + 1] = emit(KEYS[1], KEYS[4], ARGV[3], ARGV[j], ARGV[j + 1])
 end
 local mode = ARGV[4]
-local cancel = redis.call('HGET', KEYS[1], 'cancel') == ARGV[2] and '1' or ''
+local cancel = state[2] == ARGV[2] and '1' or ''
 if ARGV[6] == '1' and cancel == '' then redis.call('HINCRBY', KEYS[1], 'u_calls', 1) end
 if mode == '2' then
   local count = 0
