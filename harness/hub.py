@@ -19,9 +19,9 @@ from typing import Any
 from redis.asyncio import Redis
 
 from harness.aio import cancel_and_wait
+from harness.events import StoredEvent
 from harness.ids import stream_key
 from harness.keys import SessionKeys
-from harness.store import StoredEvent
 
 log = logging.getLogger("keel.hub")
 

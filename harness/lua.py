@@ -242,7 +242,8 @@ return {'ok', ids, length, cancel, first_seq, resolved}
 
 # Provider attempts are counted (u_calls) before they are made, by the write that precedes them
 # (BEGIN, a commit with attempt=1, or ATTEMPT), so one whose reply dies with the process still
-# counts. Its tokens are recorded as soon as the provider answered, before the step commits (I5):
+# counts. Its tokens are recorded in the round trip that commits its step, just before the
+# commit (I5: a refused or lost commit still leaves the attempt's tokens):
 # not fenced, since the attempt happened whoever owns the session now. A turn's call also leaves
 # its reported input tokens and keel's estimate of the same request, for compaction's threshold.
 # KEYS: meta, outbox. ARGV: retention, u_in, u_out, u_cached, event_body, last_est ('' to keep)

@@ -16,7 +16,8 @@ from typing import Any
 from harness import failpoints
 from harness.agent import Agent
 from harness.compaction import Compactor
-from harness.store import Begun, Store, event_body
+from harness.events import event_body
+from harness.store import Begun, Store
 from harness.turn import Final, Publish
 from harness.types import Item
 

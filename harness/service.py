@@ -14,11 +14,12 @@ from harness import failpoints
 from harness.agent import Agent
 from harness.context import split_context
 from harness.errors import Conflict, InvalidInput, NotFound
+from harness.events import StoredEvent, decode_data
 from harness.hub import EventHub, Watch
 from harness.ids import new_id, stream_key
 from harness.queue import JobQueue
 from harness.runner import Runner
-from harness.store import Responded, Store, StoredEvent, decode_data
+from harness.store import Responded, Store
 from harness.types import (
     Answer,
     EntryKind,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import msgspec
 from redis.asyncio import Redis
@@ -19,6 +19,7 @@ from redis.exceptions import NoScriptError
 from harness import lua
 from harness.cache import HistoryCache
 from harness.errors import Conflict, NotFound, StaleLease
+from harness.events import StoredEvent, envelope, event_body, made, written
 from harness.keys import TOKEN_SECRET, SessionKeys
 from harness.types import (
     Answer,
@@ -34,14 +35,6 @@ from harness.types import (
 
 _enc = msgspec.json.Encoder()
 KNOWN_MAX = 100_000
-_data_dec = msgspec.json.Decoder(dict[str, Any])
-
-
-def event_body(turn_id: str | None, data: dict[str, Any], at: float | None = None) -> bytes:
-    """The stored tail of an envelope: `"turn_id":...,"at":...,"data":...}`."""
-    at = time.time() if at is None else at
-    tid = b"null" if turn_id is None else _enc.encode(turn_id)
-    return b'"turn_id":' + tid + b',"at":' + _enc.encode(round(at, 6)) + b',"data":' + _enc.encode(data) + b"}"
 
 
 class Begun(msgspec.Struct, frozen=True):
@@ -468,33 +461,3 @@ class Store:
             SessionKeys(sid).outbox, min=f"({after}" if after != "0-0" else "-", count=count
         )
         return [envelope(sid, eid, fields) for eid, fields in raw]
-
-
-class StoredEvent(NamedTuple):
-    id: str
-    type: str
-    raw: bytes  # the envelope as JSON, byte-identical on every delivery
-    seq: int  # the per-session counter: consecutive, so a gap shows
-
-
-def envelope(sid: str, eid: bytes, fields: dict[bytes, bytes]) -> StoredEvent:
-    """An event as read back from the outbox stream."""
-    return made(sid, eid, fields[b"s"], fields[b"t"], fields[b"b"])
-
-
-def made(sid: str, eid: bytes, seq: bytes, etype: bytes, body: bytes) -> StoredEvent:
-    """An event as its commit wrote it: the same bytes a read of the outbox gives."""
-    out = b'{"id":"' + eid + b'","seq":' + seq + b',"type":"' + etype + b'","session_id":'
-    return StoredEvent(eid.decode(), etype.decode(), out + _enc.encode(sid) + b"," + body, int(seq))
-
-
-def written(sid: str, ids: list[bytes], first_seq: int, events: Sequence[tuple[str, bytes]]) -> list[StoredEvent]:
-    """The events a script emitted, in order (their seqs are consecutive from `first_seq`)."""
-    return [
-        made(sid, eid, str(first_seq + n).encode(), etype.encode(), body)
-        for n, (eid, (etype, body)) in enumerate(zip(ids, events, strict=True))
-    ]
-
-
-def decode_data(raw: bytes) -> dict[str, Any]:
-    return _data_dec.decode(raw)

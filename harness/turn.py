@@ -20,11 +20,12 @@ from harness import failpoints
 from harness.agent import Agent
 from harness.compaction import Compactor, split
 from harness.errors import CallbackError, StaleLease
+from harness.events import StoredEvent, event_body
 from harness.ids import new_id
 from harness.models.base import ModelReply, ModelRequest
 from harness.prompt import assemble, new_input, user_item
 from harness.runtime import changed, newest_snapshot, snapshot_item
-from harness.store import Begun, Committed, Store, StoredEvent, UsageRecord, event_body
+from harness.store import Begun, Committed, Store, UsageRecord
 from harness.tokens import request_tokens
 from harness.tools import ToolContext
 from harness.types import Answer, ApprovalRequest, Item, ToolCall, Usage
