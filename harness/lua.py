@@ -179,17 +179,28 @@ return {'new', id, seq}
 # A rebase (compaction, clear) makes the appended items the whole active history: it begins at
 # the first of them, and the current turn's items at `rebase` of them; the provider's last
 # token report no longer describes the context, so it is forgotten.
+# A model step's tokens (`usage` '1') are recorded first, before the fence is checked: the
+# attempt happened whoever owns the session now, and a refused commit still leaves them (I5).
 # KEYS: meta, lease, history, outbox, inbox, pending, decisions.
-# ARGV: fence, turn_id, retention, mode, waiting_on, attempt, rebase ('' or the offset), n_items, items..., n_requests,
+# ARGV: fence, turn_id, retention, mode, waiting_on, attempt, rebase ('' or the offset),
+#       usage ('1' or ''), u_in, u_out, u_cached, usage_body, last_est ('' to keep), n_items, items..., n_requests,
 #       (request_id, json)..., n_answers, (request_id, json, event_body)..., then (type, body) pairs
 COMMIT = (
     _EMIT
     + """
+local ids = {}
+if ARGV[8] == '1' then
+  redis.call('HINCRBY', KEYS[1], 'u_in', ARGV[9])
+  redis.call('HINCRBY', KEYS[1], 'u_out', ARGV[10])
+  redis.call('HINCRBY', KEYS[1], 'u_cached', ARGV[11])
+  if ARGV[13] ~= '' then redis.call('HSET', KEYS[1], 'last_in', ARGV[9], 'last_est', ARGV[13]) end
+  ids[1] = emit(KEYS[1], KEYS[4], ARGV[3], 'usage.recorded', ARGV[12])
+end
 local state = redis.call('HMGET', KEYS[1], 'turn', 'cancel')
 if redis.call('GET', KEYS[2]) ~= ARGV[1] or state[1] ~= ARGV[2] then
   return {'stale'}
 end
-local i = 8
+local i = 14
 local n = tonumber(ARGV[i])
 local before = redis.call('LLEN', KEYS[3])
 local length = before
@@ -203,7 +214,6 @@ n = tonumber(ARGV[i])
 for j = i + 1, i + 2 * n, 2 do redis.call('HSET', KEYS[6], ARGV[j], ARGV[j + 1]) end
 i = i + 2 * n + 1
 n = tonumber(ARGV[i])
-local ids = {}
 local resolved = {}  -- which of the given answers were set (and emitted), 0-based
 for j = i + 1, i + 3 * n, 3 do
   if redis.call('HSETNX', KEYS[7], ARGV[j], ARGV[j + 1]) == 1 then

@@ -52,6 +52,7 @@ class Runner:
         self._concurrency = concurrency
         self._slots = asyncio.Semaphore(concurrency)
         self._active: set[str] = set()  # sessions this process is draining now
+        self._holding: set[str] = set()  # ... of which it holds the lease, running a turn
         self._again: set[str] = set()  # ... that got more work meanwhile: drain once more
         self._kicked: dict[str, str] = {}  # session -> newest job handed over locally, not yet drained
         self._covered: dict[str, str] = {}  # session -> newest job a finished drain has seen
@@ -83,12 +84,14 @@ class Runner:
             self._kicked[sid] = job_id
         self._run(sid)
 
-    def reserve(self, sid: str) -> bool:
-        """Hold the session for a submit that may begin its turn (SUBMIT begins the turn of a
-        message it finds alone). While held, a job for it off the stream is only noted. False if
-        the session is running here already, or no slot is free: then submit as usual."""
+    async def reserve(self, sid: str) -> bool:
+        """Hold the session, and a runner slot, for a submit that may begin its turn (SUBMIT
+        begins the turn of a message it finds alone): a turn begun so has a slot at once, so its
+        lease is renewed from the start. While held, a job for it off the stream is only noted.
+        False if the session is running here already, or no slot is free: submit as usual."""
         if sid in self._active or self._slots.locked():
             return False
+        await self._slots.acquire()  # free, so this returns without suspending
         self._active.add(sid)
         self._jobs[sid] = []
         return True
@@ -97,9 +100,11 @@ class Runner:
         """The reserved submit is done: run the turn it began, or (None) drain as usual; with
         no job id (the submit failed) just let the session go, draining what came meanwhile."""
         if begun is None:
+            self._slots.release()
             jobs = self._jobs.pop(sid, [])
             self._active.discard(sid)
             self._again.discard(sid)
+            self._on_idle()
             for job in jobs:
                 self._run(sid, job)
             if job_id is not None:
@@ -107,7 +112,7 @@ class Runner:
             return
         if job_id is not None:
             self._kicked[sid] = job_id
-        self._start(sid, begun)
+        self._start(sid, begun, held=True)
 
     # ---- jobs from the stream ----------------------------------------------------------
 
@@ -174,26 +179,30 @@ class Runner:
         self._jobs[sid] = [] if job_id is None else [job_id]
         self._start(sid, None)
 
-    def _start(self, sid: str, first: Begun | None) -> None:
-        task = asyncio.create_task(self._session(sid, first), name=f"keel-session-{sid}")
+    def _start(self, sid: str, first: Begun | None, *, held: bool = False) -> None:
+        task = asyncio.create_task(self._session(sid, first, held=held), name=f"keel-session-{sid}")
         self._tasks.add(task)
         task.add_done_callback(self._done)
 
     def runs(self, sid: str) -> bool:
-        """Whether this process is running the session now."""
-        return sid in self._active
+        """Whether this process is running a turn of the session now (holds its lease): not
+        while it only waits on another runner's lease, whose commits the poller must see."""
+        return sid in self._holding
 
     def _done(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
             log.error("runner failed", exc_info=task.exception())
 
-    async def _session(self, sid: str, first: Begun | None = None) -> None:
+    async def _session(self, sid: str, first: Begun | None = None, *, held: bool = False) -> None:
         """Drain the session until no new work arrived meanwhile; then acknowledge its jobs,
-        unless the lease went to another runner (which then owns the work, and the jobs stay)."""
+        unless the lease went to another runner (which then owns the work, and the jobs stay).
+        `held`: the slot was taken already (by `reserve`)."""
         drained = False
         try:
-            async with self._slots:
+            if not held:
+                await self._slots.acquire()
+            try:
                 while True:
                     self._again.discard(sid)
                     mark = _newest(self._kicked.pop(sid, None), *self._jobs[sid])
@@ -206,6 +215,8 @@ class Runner:
                         self._cover(sid, mark)
                     if sid not in self._again:
                         break
+            finally:
+                self._slots.release()
             drained = True
         finally:
             self._active.discard(sid)
@@ -243,10 +254,14 @@ class Runner:
             fence = begun.fence
             if begun.started is not None:
                 self.publish(sid, [begun.started], False)
+            self._holding.add(sid)
             try:
                 more = await self._run_turn(sid, begun)
             except StaleLease:
                 return False
+            finally:
+                self._holding.discard(sid)
+                self._on_idle()  # the poller watches this session's stream again
             if not more:
                 return True
 

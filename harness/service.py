@@ -19,7 +19,7 @@ from harness.hub import EventHub, Watch
 from harness.ids import new_id, stream_key
 from harness.queue import JobQueue
 from harness.runner import Runner
-from harness.store import Responded, Store
+from harness.store import Begun, Responded, Store
 from harness.types import (
     Answer,
     EntryKind,
@@ -133,25 +133,16 @@ class Harness:
         # turn too (one round trip less); the session is held meanwhile, so that its job coming
         # back off the stream cannot start a second drain.
         runner = self.runner
-        reserved = runner is not None and runner.reserve(sid)
-        try:
-            duplicate, turn_id, received_id, received, began, (job_id,) = await self.store.submit(
-                sid,
-                owner,
-                message,
-                also=lambda pipe: JobQueue.enqueue_into(pipe, sid),
-                begin_lease_ms=runner.lease_ms if runner is not None and reserved else None,
-            )
-        except BaseException:
-            if runner is not None and reserved:
-                runner.adopt(sid, None, None)
-            raise
+        if runner is not None and await runner.reserve(sid):
+            # Shielded: a caller cancelled after SUBMIT began the turn must not strand its lease.
+            submitted = await asyncio.shield(self._submit_reserved(runner, sid, owner, message))
+        else:
+            submitted = await self.store.submit(sid, owner, message, also=lambda p: JobQueue.enqueue_into(p, sid))
+            if runner is not None:
+                runner.kick(sid, submitted[5][0].decode())
+        duplicate, turn_id, received_id, received, _, _ = submitted
         if received is not None:
             self.hub.publish(sid, [received], settled=False)
-        if runner is not None and reserved:
-            runner.adopt(sid, job_id.decode(), began)
-        elif runner is not None:
-            runner.kick(sid, job_id.decode())
         return SubmitResult(
             session_id=sid,
             message_id=message_id,
@@ -160,6 +151,21 @@ class Harness:
             duplicate=duplicate,
             received_seq=received.seq if received is not None else 0,
         )
+
+    async def _submit_reserved(
+        self, runner: Runner, sid: str, owner: str, message: InboxMessage
+    ) -> tuple[bool, str, str, StoredEvent | None, Begun | None, list[Any]]:
+        """SUBMIT that may begin the turn, then the runner runs what it began (or drains as
+        usual); the reservation is given back whatever happens."""
+        try:
+            submitted = await self.store.submit(
+                sid, owner, message, also=lambda p: JobQueue.enqueue_into(p, sid), begin_lease_ms=runner.lease_ms
+            )
+        except BaseException:
+            runner.adopt(sid, None, None)
+            raise
+        runner.adopt(sid, submitted[5][0].decode(), submitted[4])
+        return submitted
 
     async def respond(self, sid: str, owner: str, request_id: str, decision: str, reason: str = "") -> Responded:
         """Answer an approval request. An answer is recorded once: the same answer again is

@@ -62,8 +62,8 @@ class Busy(msgspec.Struct, frozen=True):
 
 
 class UsageRecord(msgspec.Struct, frozen=True):
-    """A provider attempt's tokens, written in the same round trip as its step's commit (and
-    just before it), so a retried step still shows both attempts (I5)."""
+    """A provider attempt's tokens, written by its step's COMMIT script before the fence is
+    checked, so a refused or retried step still shows every attempt (I5)."""
 
     step: int
     usage: Usage
@@ -289,12 +289,22 @@ class Store:
         (withdrawn requests of a cancelled turn). `attempt`: a model call follows; count it now.
         `rebase`: `items` become the whole active history (compaction, clear), the current
         turn's items beginning at that offset in them. `usage`: the model call's tokens, written
-        just before the commit in the same round trip (its usage.recorded comes first in
-        `events`; written even if the commit is refused as stale)."""
+        by the same script first (its usage.recorded comes first in `events`; written even if
+        the commit is refused as stale)."""
         k = SessionKeys(sid)
         waiting_on = " ".join(r.request_id for r in requests) if mode == "pause" else ""
         args: list[Any] = [fence, turn_id, self.retention, COMMIT_MODE[mode], waiting_on, int(attempt)]
-        args += ("" if rebase is None else rebase, len(items))
+        args.append("" if rebase is None else rebase)
+        recorded: list[tuple[str, bytes]] = []
+        if usage is None:
+            args += ("", 0, 0, 0, "", "")
+        else:
+            body, usage_args = self._usage_call(
+                turn_id, usage.step, usage.usage, failed=False, purpose="turn", estimate=usage.estimate
+            )
+            args += ("1", *usage_args[1:])  # (the USAGE script's arguments, without its retention)
+            recorded.append(("usage.recorded", body))
+        args.append(len(items))
         args.extend(_enc.encode(item) for item in items)
         args.append(len(requests))
         for r in requests:
@@ -308,24 +318,16 @@ class Store:
         for etype, body in events:
             args += (etype, body)
         keys = [k.meta, k.lease, k.history, k.outbox, k.inbox, k.pending, k.decisions]
-        recorded: list[StoredEvent] = []
-        if usage is None:
-            res = await self._commit(keys=keys, args=args)
-        else:
-            body, usage_args = self._usage_call(
-                turn_id, usage.step, usage.usage, failed=False, purpose="turn", estimate=usage.estimate
-            )
-            got, res = await self._scripts([(self._usage, [k.meta, k.outbox], usage_args), (self._commit, keys, args)])
-            recorded = written(sid, [got[0]], int(got[1]), [("usage.recorded", body)])
+        res = await self._commit(keys=keys, args=args)
         if res[0] == b"stale":
             raise StaleLease(f"session {sid}: lease {fence} is no longer held")
         if rebase is None:
             self._cache.extend(sid, list(items), int(res[2]))
         else:
             self._cache.put(sid, int(res[2]) - len(items), list(items))
-        emitted = [resolved[int(n)] for n in res[5]] + list(events)
+        emitted = recorded + [resolved[int(n)] for n in res[5]] + list(events)
         return Committed(
-            events=recorded + written(sid, res[1], int(res[4]), emitted),
+            events=written(sid, res[1], int(res[4]), emitted),
             more=res[0] == b"more",
             paused=res[0] == b"paused",
             cancel=res[3] == b"1",
@@ -368,21 +370,6 @@ class Store:
         args = [self.retention, usage.input_tokens, usage.output_tokens, usage.cached_tokens, body]
         args.append("" if estimate is None or failed else estimate)
         return body, args
-
-    async def _scripts(self, calls: list[tuple[Any, list[str], list[Any]]]) -> list[Any]:
-        """Run scripts in order in one round trip. One that Redis does not know (NOSCRIPT, after
-        a restart or SCRIPT FLUSH) did not run: it is loaded and run again on its own."""
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for script, keys, args in calls:
-                pipe.evalsha(script.sha, len(keys), *keys, *args)  # (see _with: no SCRIPT EXISTS)
-            replies: list[Any] = await pipe.execute(raise_on_error=False)
-        for n, reply in enumerate(replies):
-            if isinstance(reply, NoScriptError):
-                script, keys, args = calls[n]
-                replies[n] = await script(keys=keys, args=args)
-            elif isinstance(reply, Exception):
-                raise reply
-        return replies
 
     async def count_attempt(self, sid: str) -> None:
         """Count a model call about to be made, when no commit or BEGIN just did."""

@@ -157,9 +157,9 @@ class TurnRunner:
             failed = await self.store.record_usage(self.sid, self.turn_id, step, Usage(), failed=True)  # may be billed
             self._publish(self.sid, [failed], False)
             return await self.fail("model_error", f"the model call failed: {type(exc).__name__}: {exc}")
-        # The attempt is accounted before its step commits, in the same round trip: a retried
-        # step shows both (I5). With step.before_commit armed, apart: the crash tests stop the
-        # process between the two (which otherwise happens only if Redis stops between them).
+        # The attempt's tokens are written by the script that commits its step, first, so a
+        # refused or retried step shows every attempt (I5). With step.before_commit armed, apart:
+        # the crash tests stop the process between the two writes.
         usage = reply.usage or Usage()
         record: UsageRecord | None = UsageRecord(step, usage, estimate)
         if failpoints.armed("step.before_commit"):

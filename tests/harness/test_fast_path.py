@@ -1,0 +1,118 @@
+"""The fast path of a turn (SUBMIT begins it, usage written by the commit, events handed to local
+readers) keeps the guarantees of the slow one: a begun turn always has a runner slot and a
+renewed lease, a caller cancelled mid-submit strands nothing, a flushed script cache changes no
+order, and a reader waiting while this process only waits on another's lease still hears."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from redis.asyncio import Redis
+
+from harness import Agent, Harness, tool
+from harness.models import ModelReply, ModelRequest, ScriptedModel, ToolCall, Usage
+
+
+async def test_a_turn_begun_by_submit_waits_for_no_slot_with_an_unrenewed_lease(make_harness: Any) -> None:
+    calls: dict[str, int] = {}
+    a_running = asyncio.Event()
+
+    async def script(r: ModelRequest) -> ModelReply:
+        text = r.messages[-1].text
+        calls[text] = calls.get(text, 0) + 1
+        if text == "A":
+            a_running.set()
+            await asyncio.sleep(1.0)  # longer than the lease: only renewal keeps it
+        return ModelReply(text="re " + text, usage=Usage(10, 1))
+
+    h = await make_harness(Agent(instructions="t", model=ScriptedModel(script)), concurrency=1, lease_ms=300)
+    a, b = await h.create_session("o"), await h.create_session("o")
+    ra, rb = await asyncio.gather(h.submit(a, "o", "A"), h.submit(b, "o", "B"))
+    done_a, done_b = await asyncio.gather(h.wait_turn(ra, 20), h.wait_turn(rb, 20))
+    assert (done_a.status, done_b.status) == ("completed", "completed")
+    assert calls == {"A": 1, "B": 1}  # no model call repeated after a lapsed lease
+    info = await h.session(b, "o")
+    assert info.usage["model_calls"] == 1 and info.usage["input_tokens"] == 10
+
+
+async def test_a_caller_cancelled_mid_submit_strands_no_lease(make_harness: Any, redis: Redis) -> None:
+    calls = 0
+
+    def script(r: ModelRequest) -> ModelReply:
+        nonlocal calls
+        calls += 1
+        return ModelReply(text="hi", usage=Usage(10, 1))
+
+    h = await make_harness(Agent(instructions="t", model=ScriptedModel(script)), lease_ms=3000)
+    sid = await h.create_session("o")
+    real = h.store.submit
+    sent = asyncio.Event()
+
+    async def slow_reply(*args: Any, **kw: Any) -> Any:
+        out = await real(*args, **kw)  # SUBMIT ran (and began the turn) ...
+        sent.set()
+        await asyncio.sleep(0.05)  # ... and the reply is still on its way when the caller goes
+        return out
+
+    h.store.submit = slow_reply  # type: ignore[method-assign]
+    caller = asyncio.create_task(h.submit(sid, "o", "x", message_id="m1"))
+    await sent.wait()
+    caller.cancel()
+    h.store.submit = real  # type: ignore[method-assign]
+    res = await h.submit(sid, "o", "x", message_id="m1")  # the client's retry: the same message
+    turn = await h.wait_turn(res, 2.5)  # well inside the 3 s lease: nothing waits for it to lapse
+    assert turn.status == "completed"
+    assert calls == 1 and (await h.session(sid, "o")).usage["model_calls"] == 1
+
+
+async def test_a_flushed_script_cache_keeps_usage_before_the_commit(make_harness: Any, redis: Redis) -> None:
+    @tool
+    async def restart() -> str:
+        """Stands in for a Redis restart or failover in the middle of a turn."""
+        await redis.script_flush()
+        return "done"
+
+    def script(r: ModelRequest) -> ModelReply:
+        if r.messages[-1].role == "user":
+            return ModelReply(tool_calls=[ToolCall("restart", {})], usage=Usage(1, 1))
+        return ModelReply(text="fin", usage=Usage(2, 2))
+
+    h = await make_harness(Agent(instructions="t", model=ScriptedModel(script), tools=[restart]))
+    sid = await h.create_session("o")
+    res = await h.submit_and_wait(sid, "o", "go", context=None, message_id=None, timeout=5)
+    types = [e["type"] for e in res.events]
+    assert res.status == "completed" and types[-1] == "turn.completed"
+    assert types.count("usage.recorded") == 2 and types.index("usage.recorded", 3) < types.index("message.completed")
+
+
+async def test_a_waiter_hears_a_turn_run_elsewhere_while_this_process_waits_on_the_lease(
+    make_harness: Any, redis: Redis
+) -> None:
+    release, hold = asyncio.Event(), asyncio.Event()
+
+    async def slow(r: ModelRequest) -> ModelReply:
+        text = r.messages[-1].text
+        if text == "slow":
+            await release.wait()
+        elif text == "slower":
+            await hold.wait()  # keeps P2 holding the lease after "quick"
+        return ModelReply(text="re " + text, usage=Usage(1, 1))
+
+    model = ScriptedModel(slow)
+    other = await make_harness(Agent(instructions="t", model=model))  # "P2": runs the session first
+    here = Harness(redis, Agent(instructions="t", model=model))  # "P1": will wait on P2's lease
+    await here.start()
+    try:
+        sid = await other.create_session("o")
+        await other.submit(sid, "o", "slow")
+        quick = asyncio.create_task(here.submit_and_wait(sid, "o", "quick", context=None, message_id=None, timeout=3))
+        while await redis.llen(f"keel:{{{sid}}}:inbox") < 2:  # noqa: ASYNC110 (quick is queued)
+            await asyncio.sleep(0.01)
+        await other.submit(sid, "o", "slower")
+        release.set()  # P2 finishes "slow", runs "quick", then holds on in "slower"
+        result = await asyncio.wait_for(quick, 10)  # (3 s: less than the waiter's 5 s periodic look)
+        assert result.status == "completed" and result.reply == "re quick"
+    finally:
+        hold.set()
+        await here.stop()
