@@ -19,7 +19,7 @@ from harness.hub import EventHub, Watch
 from harness.ids import new_id, stream_key
 from harness.queue import JobQueue
 from harness.runner import Runner
-from harness.store import Begun, Responded, Store
+from harness.store import Responded, Store, Submitted
 from harness.types import (
     Answer,
     EntryKind,
@@ -139,8 +139,8 @@ class Harness:
         else:
             submitted = await self.store.submit(sid, owner, message, also=lambda p: JobQueue.enqueue_into(p, sid))
             if runner is not None:
-                runner.kick(sid, submitted[5][0].decode())
-        duplicate, turn_id, received_id, received, _, _ = submitted
+                runner.kick(sid, submitted.job_id)
+        duplicate, turn_id, received_id, received = submitted[:4]
         if received is not None:
             self.hub.publish(sid, [received], settled=False)
         return SubmitResult(
@@ -152,9 +152,7 @@ class Harness:
             received_seq=received.seq if received is not None else 0,
         )
 
-    async def _submit_reserved(
-        self, runner: Runner, sid: str, owner: str, message: InboxMessage
-    ) -> tuple[bool, str, str, StoredEvent | None, Begun | None, list[Any]]:
+    async def _submit_reserved(self, runner: Runner, sid: str, owner: str, message: InboxMessage) -> Submitted:
         """SUBMIT that may begin the turn, then the runner runs what it began (or drains as
         usual); the reservation is given back whatever happens."""
         try:
@@ -164,7 +162,7 @@ class Harness:
         except BaseException:
             runner.adopt(sid, None, None)
             raise
-        runner.adopt(sid, submitted[5][0].decode(), submitted[4])
+        runner.adopt(sid, submitted.job_id, submitted.began)
         return submitted
 
     async def respond(self, sid: str, owner: str, request_id: str, decision: str, reason: str = "") -> Responded:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 from redis.asyncio import Redis
@@ -55,6 +55,17 @@ class Begun(msgspec.Struct, frozen=True):
 
 def _started_type(message: InboxMessage) -> bytes:
     return b"compaction.requested" if message.kind == "compact" else b"turn.started"
+
+
+class Submitted(NamedTuple):
+    """What Store.submit did: a repeated message_id gives the first one's ids (and no event)."""
+
+    duplicate: bool
+    turn_id: str
+    received_id: str
+    received: StoredEvent | None  # its message.received, when new
+    began: Begun | None  # the turn SUBMIT began, if it did
+    job_id: str  # the job queued with it
 
 
 class Busy(msgspec.Struct, frozen=True):
@@ -138,11 +149,10 @@ class Store:
         *,
         also: Callable[[Pipeline], None],
         begin_lease_ms: int | None = None,
-    ) -> tuple[bool, str, str, StoredEvent | None, Begun | None, list[Any]]:
+    ) -> Submitted:
         """Record a message with its message.received event and, in the same round trip, what
-        `also` adds to the pipeline (the job). Returns (duplicate, turn_id, received event id,
-        the event (None for a duplicate), replies of `also`); a repeated message_id returns the
-        first one's ids. A session this process has not seen is looked up first, so a request
+        `also` adds to the pipeline (the job, whose id comes back as `job_id`); a repeated
+        message_id returns the first one's ids. A session this process has not seen is looked up first, so a request
         for an unknown one writes nothing. With `begin_lease_ms`, a message that is alone in the
         inbox (lease free) has its turn begun in the same script: the Begun comes back too."""
         k = SessionKeys(sid)
@@ -164,10 +174,11 @@ class Store:
         )
         if res[0] == b"dup":
             turn_id, received_id = res[1].decode().split(" ", 1)
-            return True, turn_id, received_id, None, None, extra
+            return Submitted(True, turn_id, received_id, None, None, extra[0].decode())
         event = written(sid, [res[1]], int(res[2]), [("message.received", body)])[0]
         began = self._begun(sid, res[3], have) if len(res) > 3 else None
-        return False, message.turn_id, event.id, event, began if isinstance(began, Begun) else None, extra
+        began_now = began if isinstance(began, Begun) else None
+        return Submitted(False, message.turn_id, event.id, event, began_now, extra[0].decode())
 
     async def enqueue(
         self, sid: str, owner: str, entry: InboxMessage, *, also: Callable[[Pipeline], None]
