@@ -35,12 +35,6 @@ def agent(reply_size: int = 0) -> Agent:
     return Agent(instructions="t", tools=[refund], model=ScriptedModel(script))
 
 
-async def new_session(live: Any) -> str:
-    async with live.client() as c:
-        sid: str = (await c.post("/v1/sessions")).json()["session_id"]
-        return sid
-
-
 async def frames_until(ws: ClientConnection, etype: str, timeout: float = 10) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     async with asyncio.timeout(timeout):
@@ -124,7 +118,8 @@ async def test_resume_after_an_event_with_no_gap_or_duplicate_across_a_restart(s
 
 async def test_bad_frames_get_error_frames_and_the_socket_stays(serve: Any) -> None:
     live = await serve(agent())
-    sid = await new_session(live)
+    async with live.client() as c:
+        sid = (await c.post("/v1/sessions")).json()["session_id"]
     async with connect(f"{live.ws_base}/v1/sessions/{sid}/ws") as ws:
         await frames_until(ws, "session.created")
         bad = [
@@ -154,7 +149,8 @@ async def test_bad_frames_get_error_frames_and_the_socket_stays(serve: Any) -> N
 
 async def test_abusive_frames_close_the_socket(serve: Any) -> None:
     live = await serve(agent(), ws_max_frame=2048)
-    sid = await new_session(live)
+    async with live.client() as c:
+        sid = (await c.post("/v1/sessions")).json()["session_id"]
     url = f"{live.ws_base}/v1/sessions/{sid}/ws"
     async with connect(url, max_size=None) as ws:
         await ws.send(json.dumps({"type": "message", "text": "x" * 5000}))
@@ -172,7 +168,8 @@ async def test_abusive_frames_close_the_socket(serve: Any) -> None:
 
 async def test_approve_from_the_socket(serve: Any) -> None:
     live = await serve(agent())
-    sid = await new_session(live)
+    async with live.client() as c:
+        sid = (await c.post("/v1/sessions")).json()["session_id"]
     async with connect(f"{live.ws_base}/v1/sessions/{sid}/ws") as ws:
         await ws.send(json.dumps({"type": "message", "text": "refund 12"}))
         asked = (await frames_until(ws, "input.requested"))[-1]["data"]["requests"][0]
@@ -270,7 +267,8 @@ async def test_a_client_that_stops_reading_is_closed_with_1013(serve: Any) -> No
 
 async def test_shutdown_closes_sockets_with_1012(serve: Any) -> None:
     live = await serve(agent())
-    sid = await new_session(live)
+    async with live.client() as c:
+        sid = (await c.post("/v1/sessions")).json()["session_id"]
     async with connect(f"{live.ws_base}/v1/sessions/{sid}/ws") as ws:
         await frames_until(ws, "session.created")
         stopping = asyncio.create_task(live.stop())
@@ -280,7 +278,8 @@ async def test_shutdown_closes_sockets_with_1012(serve: Any) -> None:
 
 async def test_heartbeat_frames_when_idle(serve: Any) -> None:
     live = await serve(agent(), ws_heartbeat=0.2)
-    sid = await new_session(live)
+    async with live.client() as c:
+        sid = (await c.post("/v1/sessions")).json()["session_id"]
     async with connect(f"{live.ws_base}/v1/sessions/{sid}/ws") as ws:
         await frames_until(ws, "session.created")
         async with asyncio.timeout(5):

@@ -126,8 +126,17 @@ def reach(kind: str, sessions: list[list[Msg]]) -> int:
     if kind == "tool.after_run":
         return sum(1 for m in msgs if m.decision == "approve")
     if kind == "outbox.after_publish":  # events the session's tail is sent, at the least
-        return sum(1 + sum(5 if m.amount is None else 10 for m in s) for s in sessions)
+        return sum(1 + sum(events_of(m) for m in s) for s in sessions)
     raise ValueError(kind)
+
+
+def events_of(m: Msg) -> int:
+    """A message's events: received, started, usage, completed x2 (message, turn); a charge adds
+    input.requested, input.resolved, tool.completed and the second step's usage, and, approved,
+    tool.started (a denied call never starts)."""
+    if m.amount is None:
+        return 5
+    return 10 if m.decision == "approve" else 9
 
 
 def make_plan(seed: int, trial: int) -> Plan:
@@ -584,18 +593,7 @@ class SessionRun:
     # ---- the checks ---------------------------------------------------------------------------
 
     async def _replay(self, n: int) -> list[dict[str, Any]]:
-        """The first `n` events of the outbox, as a new SSE connection replays them. A failpoint
-        the workload finished before reaching (outbox.after_publish@N counts these writes too)
-        may stop keel during this read: then, as any client, read again from its replacement."""
-        for _ in range(2):
-            gen = self.trial.sup.gen
-            try:
-                return await self._replay_once(n)
-            except httpx.TransportError:
-                await self.trial.sup.wait_past(gen, 30)
-        return await self._replay_once(n)
-
-    async def _replay_once(self, n: int) -> list[dict[str, Any]]:
+        """The first `n` events of the outbox, as a new SSE connection replays them."""
         events: list[dict[str, Any]] = []
         async with (
             asyncio.timeout(10),
