@@ -35,7 +35,8 @@ PUSHED_MAX = 512  # events a watch holds for its reader; past that it reads the 
 
 class Watch:
     def __init__(self, after: str | None, *, settled_only: bool = False) -> None:
-        self._flag = asyncio.Event()
+        self._woken = False  # woken since its reader last waited
+        self._waiter: asyncio.Future[bool] | None = None
         self.seen = after  # the newest event id its reader has read (None: not known yet)
         self.last_seq: int | None = None  # ... and its seq (None: not known: read the stream)
         self.settled_only = settled_only  # local wake-ups only for commits that settle a turn
@@ -43,7 +44,11 @@ class Watch:
         self._overflow = False
 
     def wake(self) -> None:
-        self._flag.set()
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(True)
+        else:
+            self._woken = True
 
     def push(self, events: list[StoredEvent]) -> None:
         if len(self._pushed) + len(events) > PUSHED_MAX:
@@ -72,15 +77,26 @@ class Watch:
             self.seen, self.last_seq = batch[-1].id, batch[-1].seq
 
     async def wait(self, timeout: float) -> bool:
-        """True if woken, False on timeout. (asyncio.timeout, not wait_for: on Python 3.11
-        wait_for swallows a cancellation that arrives as the event is set.)"""
+        """True if woken, False on timeout. A future and a timer: no asyncio.timeout (and no
+        wait_for, which on Python 3.11 swallows a cancellation that arrives as it is woken);
+        a cancellation of the waiting task cancels the future and goes through."""
+        if self._woken:
+            self._woken = False
+            return True
+        loop = asyncio.get_running_loop()
+        waiter = self._waiter = loop.create_future()
+        timer = loop.call_later(timeout, _expire, waiter)
         try:
-            async with asyncio.timeout(timeout):
-                await self._flag.wait()
-        except TimeoutError:
-            return False
-        self._flag.clear()
-        return True
+            woken: bool = await waiter
+            return woken
+        finally:  # (a wake-up after the timer fired stays in _woken: the next wait returns)
+            timer.cancel()
+            self._waiter = None
+
+
+def _expire(waiter: asyncio.Future[bool]) -> None:
+    if not waiter.done():
+        waiter.set_result(False)
 
 
 class EventHub:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import functools
 import os
 import time
 
@@ -16,11 +18,19 @@ def _b32(n: int, width: int) -> str:
     return "".join(reversed(out))
 
 
+# base64's base32 alphabet (A-Z, 2-7) in index order, to keel's: b32encode, then translate
+_FROM_STD = bytes.maketrans(b"ABCDEFGHIJKLMNOPQRSTUVWXYZ234567", _ALPHABET.encode())
+
+
+@functools.lru_cache(maxsize=4)
+def _ms_text(ms: int) -> str:
+    return _b32(ms, 10)
+
+
 def new_id(prefix: str) -> str:
     """`prefix_` + 10 chars of milliseconds + 16 chars of randomness (80 bits)."""
-    ms = time.time_ns() // 1_000_000
-    rand = int.from_bytes(os.urandom(10), "big")
-    return f"{prefix}_{_b32(ms, 10)}{_b32(rand, 16)}"
+    rand = base64.b32encode(os.urandom(10)).translate(_FROM_STD).decode()
+    return f"{prefix}_{_ms_text(time.time_ns() // 1_000_000)}{rand}"
 
 
 def stream_key(eid: str) -> tuple[int, int]:

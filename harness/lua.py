@@ -334,3 +334,5 @@ RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
 """
+
+SCRIPTS = (CREATE, ENQUEUE, BEGIN, SUBMIT, COMMIT, USAGE, ATTEMPT, RESPOND, CANCEL, RENEW, RELEASE)

@@ -9,7 +9,6 @@ import socket
 from typing import Any
 
 from redis.asyncio import Redis
-from redis.asyncio.client import Pipeline
 from redis.exceptions import ResponseError
 
 from harness.keys import JOBS, JOBS_GROUP
@@ -33,9 +32,10 @@ class JobQueue:
                 raise
 
     @staticmethod
-    def enqueue_into(pipe: Pipeline, sid: str) -> None:
-        """Add the job for `sid` to a pipeline; its reply is the job id."""
-        pipe.xadd(JOBS, {"s": sid})
+    def job(sid: str) -> tuple[str, ...]:
+        """The command that adds the job for `sid` (sent with the write it goes with); its
+        reply is the job id."""
+        return ("XADD", JOBS, "*", "s", sid)
 
     async def take(self, count: int, block_ms: int) -> list[tuple[str, str]]:
         """New jobs for this consumer: (job id, session id)."""

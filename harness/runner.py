@@ -27,6 +27,13 @@ log = logging.getLogger("keel.runner")
 COVERED_MAX = 50_000  # sessions remembered as covered; past that the memo restarts (costs a BEGIN)
 ACK_BATCH = 256  # acknowledge at once when this many jobs wait ...
 ACK_DELAY_S = 0.05  # ... else after this long, together
+READ_BATCH = 64  # jobs read from the stream at once
+# Jobs of sessions in hand here (the ones this process submitted and began itself) need no
+# reading on their turn's path, only to be read at all (pending, for recovery; an unread job is
+# recovered too), and reading them one at a time costs each turn a round of CPU. So when reads
+# bring only such jobs, and come less than twice this apart, the next read waits this long.
+# A job of another process's waits at most this much longer.
+OWN_JOBS_PAUSE_S = 0.005
 
 
 class Runner:
@@ -119,7 +126,7 @@ class Runner:
     async def _loop(self) -> None:
         await self.queue.ensure_group()
         reclaim_every = max(self.lease_ms / 1000, 1.0)
-        next_reclaim = 0.0
+        next_reclaim = last_own_read = 0.0
         loop = asyncio.get_running_loop()
         while True:
             try:
@@ -129,20 +136,28 @@ class Runner:
                     next_reclaim = loop.time() + reclaim_every
                     for job in await self.queue.reclaim(min_idle_ms=2 * self.lease_ms):
                         self._job(*job)
-                for job in await self.queue.take(count=64, block_ms=self.block_ms):
-                    self._job(*job)
+                jobs = await self.queue.take(count=READ_BATCH, block_ms=self.block_ms)
+                now, last_read = loop.time(), last_own_read
+                if jobs and sum(self._job(*job) for job in jobs) == len(jobs) < READ_BATCH:
+                    last_own_read = now
+                    if now - last_read < 2 * OWN_JOBS_PAUSE_S:  # they come often: batch them
+                        await asyncio.sleep(OWN_JOBS_PAUSE_S)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 log.warning("runner: %s; retrying in 1s", exc)
                 await asyncio.sleep(1.0)
 
-    def _job(self, job_id: str, sid: str) -> None:
+    def _job(self, job_id: str, sid: str) -> bool:
+        """Take a job off the stream. True if its session was in hand here already (drained
+        since the job was added, or running): a job this process added itself, most likely."""
         covered = self._covered.get(sid)
         if covered is not None and stream_key(job_id) <= stream_key(covered):
             self._ack(job_id)
-            return
+            return True
+        mine = sid in self._active
         self._run(sid, job_id)
+        return mine
 
     def _ack(self, job_id: str) -> None:
         """Acknowledge soon, together with others. Lost in a crash, the job is reclaimed, finds

@@ -10,7 +10,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from harness import failpoints
+from harness import failpoints, wire
 from harness.agent import Agent
 from harness.context import split_context
 from harness.errors import Conflict, InvalidInput, NotFound
@@ -96,6 +96,7 @@ class Harness:
 
     async def start(self) -> None:
         await self.queue.ensure_group()
+        await self.store.load_scripts()
         self.hub.start()
         if self.runner is not None:
             self.runner.start()
@@ -137,7 +138,7 @@ class Harness:
             # Shielded: a caller cancelled after SUBMIT began the turn must not strand its lease.
             submitted = await asyncio.shield(self._submit_reserved(runner, sid, owner, message))
         else:
-            submitted = await self.store.submit(sid, owner, message, also=lambda p: JobQueue.enqueue_into(p, sid))
+            submitted = await self.store.submit(sid, owner, message, also=[JobQueue.job(sid)])
             if runner is not None:
                 runner.kick(sid, submitted.job_id)
         duplicate, turn_id, received_id, received = submitted[:4]
@@ -157,7 +158,7 @@ class Harness:
         usual); the reservation is given back whatever happens."""
         try:
             submitted = await self.store.submit(
-                sid, owner, message, also=lambda p: JobQueue.enqueue_into(p, sid), begin_lease_ms=runner.lease_ms
+                sid, owner, message, also=[JobQueue.job(sid)], begin_lease_ms=runner.lease_ms
             )
         except BaseException:
             runner.adopt(sid, None, None)
@@ -217,16 +218,16 @@ class Harness:
         check_session_id(sid)
         op_id = new_id("turn")
         entry = InboxMessage(message_id=new_id(kind), turn_id=op_id, kind=kind)
-        (job_id,) = await self.store.enqueue(sid, owner, entry, also=lambda pipe: JobQueue.enqueue_into(pipe, sid))
+        (job_id,) = await self.store.enqueue(sid, owner, entry, also=[JobQueue.job(sid)])
         if self.runner is not None:
             self.runner.kick(sid, job_id.decode())
         return op_id
 
     async def _wake(self, sid: str) -> None:
         """Queue a job for the session (and run it here at once, if this process runs turns)."""
-        async with self.redis.pipeline(transaction=False) as pipe:
-            JobQueue.enqueue_into(pipe, sid)
-            (job_id,) = await pipe.execute()
+        (job_id,) = await wire.call(self.redis, [JobQueue.job(sid)])
+        if isinstance(job_id, Exception):
+            raise job_id
         if self.runner is not None:
             self.runner.kick(sid, job_id.decode())
 

@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import msgspec
 from redis.asyncio import Redis
-from redis.asyncio.client import Pipeline
 from redis.exceptions import NoScriptError
 
-from harness import lua
+from harness import lua, wire
 from harness.cache import HistoryCache
 from harness.errors import Conflict, NotFound, StaleLease
 from harness.events import (
@@ -125,6 +124,15 @@ class Store:
         self._known: dict[str, str] = {}  # session id -> owner, seen to exist
         self._cache = HistoryCache(cache_sessions)
 
+    async def load_scripts(self) -> None:
+        """Have Redis know every script before the first one runs. (A Redis that forgets them
+        later, restarted or flushed, answers NOSCRIPT, and the caller loads and runs again; a
+        submit then adds its job twice, which is harmless.)"""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for source in lua.SCRIPTS:
+                pipe.script_load(source)
+            await pipe.execute()
+
     # ---- session lifecycle -------------------------------------------------------------
 
     async def create(self, sid: str, owner: str, metadata: dict[str, Any]) -> StoredEvent:
@@ -154,7 +162,7 @@ class Store:
         owner: str,
         message: InboxMessage,
         *,
-        also: Callable[[Pipeline], None],
+        also: Sequence[Sequence[Any]],
         begin_lease_ms: int | None = None,
     ) -> Submitted:
         """Record a message with its message.received event and, in the same round trip, what
@@ -187,9 +195,7 @@ class Store:
         began_now = began if isinstance(began, Begun) else None
         return Submitted(False, message.turn_id, event.id, event, began_now, extra[0].decode())
 
-    async def enqueue(
-        self, sid: str, owner: str, entry: InboxMessage, *, also: Callable[[Pipeline], None]
-    ) -> list[Any]:
+    async def enqueue(self, sid: str, owner: str, entry: InboxMessage, *, also: Sequence[Sequence[Any]]) -> list[Any]:
         """Queue a compact or clear entry behind the session's turns, with `also` (the job) in
         the same round trip. Returns the replies of `also`."""
         k = SessionKeys(sid)
@@ -208,7 +214,7 @@ class Store:
         source: str,
         keys: list[str],
         args: Sequence[str | bytes | int],
-        also: Callable[[Pipeline], None],
+        also: Sequence[Sequence[Any]],
     ) -> tuple[Any, list[Any]]:
         """Run an owner-checked script and `also` in one pipeline. A session this process has
         not seen is looked up first, so a request for an unknown one writes nothing."""
@@ -217,11 +223,7 @@ class Store:
                 raise NotFound(f"no session {sid}", code="session_not_found")
             self._remember(sid, owner)
         for attempt in range(2):
-            # EVALSHA by hand: redis-py runs SCRIPT EXISTS before any pipeline holding a Script.
-            async with self.redis.pipeline(transaction=False) as pipe:
-                pipe.evalsha(script.sha, len(keys), *keys, *args)
-                also(pipe)
-                replies: list[Any] = await pipe.execute(raise_on_error=False)
+            replies = await wire.call(self.redis, [("EVALSHA", script.sha, len(keys), *keys, *args), *also])
             if isinstance(replies[0], NoScriptError) and attempt == 0:
                 await self.redis.script_load(source)  # (the job added meanwhile is harmless)
                 continue
@@ -336,7 +338,7 @@ class Store:
         for etype, body in events:
             args += (etype, body)
         keys = [k.meta, k.lease, k.history, k.outbox, k.inbox, k.pending, k.decisions]
-        res = await self._commit(keys=keys, args=args)
+        res = await wire.script(self.redis, self._commit.sha, lua.COMMIT, keys, args)
         if res[0] == b"stale":
             raise StaleLease(f"session {sid}: lease {fence} is no longer held")
         if rebase is None:

@@ -1,0 +1,56 @@
+"""The store's direct command path (harness/wire.py): every reply read, in order, and a call cut
+short never leaves its connection, with a reply still to come, in the pool."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from redis.asyncio import Redis
+from redis.exceptions import ResponseError
+
+from harness import wire
+
+
+async def test_error_replies_come_back_in_place_and_the_rest_are_read(redis: Redis) -> None:
+    await redis.set("text", "1")
+    replies = await wire.call(redis, [("INCR", "text"), ("LPUSH", "text", "x"), ("GET", "text")])
+    assert replies[0] == 2
+    assert isinstance(replies[1], ResponseError) and "WRONGTYPE" in str(replies[1])
+    assert replies[2] == b"2"
+    assert await wire.call(redis, [("GET", "text")]) == [b"2"]  # the connection is in step
+
+
+async def blocked_clients(redis: Redis, n: int) -> None:
+    """Until Redis counts `n` blocked clients. Redis announces no event for it: its own count
+    is polled, within a timeout."""
+    async with asyncio.timeout(5):
+        while (await redis.info("clients"))["blocked_clients"] != n:  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+
+
+async def test_a_cancelled_call_leaves_no_reply_behind_for_the_next(redis: Redis) -> None:
+    await redis.set("text", "1")
+    blocked = asyncio.create_task(wire.call(redis, [("BLPOP", "later", 5)]))
+    await blocked_clients(redis, 1)  # the call is on the server
+    blocked.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await blocked
+    await blocked_clients(redis, 0)  # the cut connection is closed: the server let it go
+    await redis.rpush("later", "x")
+    # Had the connection gone back to the pool still blocked, the push would have been popped
+    # and its reply read by whichever call got that connection next.
+    for _ in range(8):
+        assert await wire.call(redis, [("GET", "text")]) == [b"1"]
+    assert await redis.lrange("later", 0, -1) == [b"x"]
+
+
+async def test_a_script_redis_forgot_is_loaded_and_run_once(redis: Redis) -> None:
+    source = "return redis.call('INCR', KEYS[1])"
+    sha = await redis.script_load(source)
+    await redis.script_flush()
+    assert await wire.script(redis, sha, source, ["n"], []) == 1
+    assert await redis.get("n") == b"1"
+    await redis.set("word", "a")
+    with pytest.raises(ResponseError):  # an error the script itself raises is raised
+        await wire.script(redis, sha, source, ["word"], [])
