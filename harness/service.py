@@ -10,7 +10,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from harness import failpoints, wire
+from harness import failpoints
 from harness.agent import Agent
 from harness.context import split_context
 from harness.errors import Conflict, InvalidInput, NotFound
@@ -105,6 +105,7 @@ class Harness:
         if self.runner is not None:
             await self.runner.stop()
         await self.hub.stop()
+        await self.store.close()
 
     # ---- commands ----------------------------------------------------------------------
 
@@ -225,7 +226,7 @@ class Harness:
 
     async def _wake(self, sid: str) -> None:
         """Queue a job for the session (and run it here at once, if this process runs turns)."""
-        (job_id,) = await wire.call(self.redis, [JobQueue.job(sid)])
+        (job_id,) = await self.store.wire.call([JobQueue.job(sid)])
         if isinstance(job_id, Exception):
             raise job_id
         if self.runner is not None:

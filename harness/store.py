@@ -15,7 +15,7 @@ import msgspec
 from redis.asyncio import Redis
 from redis.exceptions import NoScriptError
 
-from harness import lua, wire
+from harness import lua
 from harness.cache import HistoryCache
 from harness.errors import Conflict, NotFound, StaleLease
 from harness.events import (
@@ -38,6 +38,7 @@ from harness.types import (
     item_decoder,
     request_decoder,
 )
+from harness.wire import Wire
 
 _enc = msgspec.json.Encoder()
 KNOWN_MAX = 100_000
@@ -109,6 +110,7 @@ COMMIT_MODE = {"step": "0", "final": "1", "pause": "2"}
 class Store:
     def __init__(self, redis: Redis, *, retention: int = 10_000, cache_sessions: int = 1024) -> None:
         self.redis = redis
+        self.wire = Wire(redis)  # the turn's hot scripts go this way
         self.retention = retention
         self._create = redis.register_script(lua.CREATE)
         self._submit = redis.register_script(lua.SUBMIT)
@@ -123,6 +125,9 @@ class Store:
         self._release = redis.register_script(lua.RELEASE)
         self._known: dict[str, str] = {}  # session id -> owner, seen to exist
         self._cache = HistoryCache(cache_sessions)
+
+    async def close(self) -> None:
+        await self.wire.close()
 
     async def load_scripts(self) -> None:
         """Have Redis know every script before the first one runs. (A Redis that forgets them
@@ -223,7 +228,7 @@ class Store:
                 raise NotFound(f"no session {sid}", code="session_not_found")
             self._remember(sid, owner)
         for attempt in range(2):
-            replies = await wire.call(self.redis, [("EVALSHA", script.sha, len(keys), *keys, *args), *also])
+            replies = await self.wire.call([("EVALSHA", script.sha, len(keys), *keys, *args), *also])
             if isinstance(replies[0], NoScriptError) and attempt == 0:
                 await self.redis.script_load(source)  # (the job added meanwhile is harmless)
                 continue
@@ -338,7 +343,7 @@ class Store:
         for etype, body in events:
             args += (etype, body)
         keys = [k.meta, k.lease, k.history, k.outbox, k.inbox, k.pending, k.decisions]
-        res = await wire.script(self.redis, self._commit.sha, lua.COMMIT, keys, args)
+        res = await self.wire.script(self._commit.sha, lua.COMMIT, keys, args)
         if res[0] == b"stale":
             raise StaleLease(f"session {sid}: lease {fence} is no longer held")
         if rebase is None:

@@ -8,17 +8,20 @@ import asyncio
 import pytest
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeout
 
-from harness import wire
+from harness.wire import Wire
 
 
 async def test_error_replies_come_back_in_place_and_the_rest_are_read(redis: Redis) -> None:
     await redis.set("text", "1")
-    replies = await wire.call(redis, [("INCR", "text"), ("LPUSH", "text", "x"), ("GET", "text")])
+    wire = Wire(redis)
+    replies = await wire.call([("INCR", "text"), ("LPUSH", "text", "x"), ("GET", "text")])
     assert replies[0] == 2
     assert isinstance(replies[1], ResponseError) and "WRONGTYPE" in str(replies[1])
     assert replies[2] == b"2"
-    assert await wire.call(redis, [("GET", "text")]) == [b"2"]  # the connection is in step
+    assert await wire.call([("GET", "text")]) == [b"2"]  # the connection is in step
+    await wire.close()
 
 
 async def blocked_clients(redis: Redis, n: int) -> None:
@@ -29,28 +32,37 @@ async def blocked_clients(redis: Redis, n: int) -> None:
             await asyncio.sleep(0.01)
 
 
-async def test_a_cancelled_call_leaves_no_reply_behind_for_the_next(redis: Redis) -> None:
+@pytest.mark.parametrize("how", ["cancelled", "timed out"])
+async def test_a_call_cut_short_leaves_no_reply_behind_for_the_next(redis: Redis, how: str) -> None:
     await redis.set("text", "1")
-    blocked = asyncio.create_task(wire.call(redis, [("BLPOP", "later", 5)]))
-    await blocked_clients(redis, 1)  # the call is on the server
-    blocked.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await blocked
+    wire = Wire(redis, timeout=0.5 if how == "timed out" else 30)
+    blocked = asyncio.create_task(wire.call([("BLPOP", "later", 10)]))
+    if how == "cancelled":
+        await blocked_clients(redis, 1)  # the call is on the server
+        blocked.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await blocked
+    else:
+        with pytest.raises(RedisTimeout):
+            await blocked
     await blocked_clients(redis, 0)  # the cut connection is closed: the server let it go
     await redis.rpush("later", "x")
     # Had the connection gone back to the pool still blocked, the push would have been popped
     # and its reply read by whichever call got that connection next.
     for _ in range(8):
-        assert await wire.call(redis, [("GET", "text")]) == [b"1"]
+        assert await wire.call([("GET", "text")]) == [b"1"]
     assert await redis.lrange("later", 0, -1) == [b"x"]
+    await wire.close()
 
 
 async def test_a_script_redis_forgot_is_loaded_and_run_once(redis: Redis) -> None:
     source = "return redis.call('INCR', KEYS[1])"
     sha = await redis.script_load(source)
     await redis.script_flush()
-    assert await wire.script(redis, sha, source, ["n"], []) == 1
+    wire = Wire(redis)
+    assert await wire.script(sha, source, ["n"], []) == 1
     assert await redis.get("n") == b"1"
     await redis.set("word", "a")
     with pytest.raises(ResponseError):  # an error the script itself raises is raised
-        await wire.script(redis, sha, source, ["word"], [])
+        await wire.script(sha, source, ["word"], [])
+    await wire.close()
