@@ -252,9 +252,11 @@ class Store:
         """Take the session for its next turn. None: nothing to do (or no session)."""
         k = SessionKeys(sid)
         have_start, have = self._cached(sid)
-        res = await self._begin(
-            keys=[k.meta, k.inbox, k.lease, k.history, k.sticky, k.outbox, k.decisions],
-            args=[fence, lease_ms, repr(time.time()), self.retention, have_start, len(have)],
+        res = await self.wire.script(
+            self._begin.sha,
+            lua.BEGIN,
+            [k.meta, k.inbox, k.lease, k.history, k.sticky, k.outbox, k.decisions],
+            [fence, lease_ms, repr(time.time()), self.retention, have_start, len(have)],
         )
         return self._begun(sid, res, have)
 

@@ -15,39 +15,70 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
-from redis.asyncio import ConnectionPool, Redis
-from redis.exceptions import NoScriptError, ResponseError
+from redis.asyncio import Redis
+from redis.asyncio.connection import AbstractConnection
+from redis.exceptions import ConnectionError, NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeout
 from redis.maint_notifications import MaintNotificationsConfig
 
 TIMEOUT_S = 5.0  # a whole call (redis-py's default socket timeout, per read)
 
 
+IDLE_MAX = 256  # idle connections kept; more are closed on release
+
+
 class Wire:
+    """A small pool of its own: connections made from the client's settings with no socket
+    timeout, reused last-in first-out; one that shows data or end-of-file while idle (Redis
+    restarted, say) is replaced before use, as redis-py's pool does. At most as many open at
+    once as the client's pool allows."""
+
     def __init__(self, redis: Redis, *, timeout: float = TIMEOUT_S) -> None:
         main = redis.connection_pool
         self.redis = redis
         self.timeout = timeout
-        self.pool = ConnectionPool(
-            connection_class=main.connection_class,
-            max_connections=main.max_connections,
-            **{
-                **main.connection_kwargs,
-                "socket_timeout": None,
-                # as app.redis_client: "auto" skips the liveness check of a pooled connection
-                "maint_notifications_config": MaintNotificationsConfig(enabled=False),
-            },
-        )
+        self._kwargs = {
+            **main.connection_kwargs,
+            "socket_timeout": None,
+            # as app.redis_client: "auto" skips the liveness check of a pooled connection
+            "maint_notifications_config": MaintNotificationsConfig(enabled=False),
+        }
+        self._make = main.connection_class
+        self._max = main.max_connections
+        self._idle: list[AbstractConnection] = []
+        self._in_use = 0
 
     async def close(self) -> None:
-        await self.pool.disconnect()
+        idle, self._idle = self._idle, []
+        for conn in idle:
+            await conn.disconnect()
+
+    async def _acquire(self) -> AbstractConnection:
+        while self._idle:
+            conn = self._idle.pop()
+            try:
+                if not await conn.can_read():
+                    return conn
+            except ConnectionError:
+                pass
+            await conn.disconnect()
+        if self._in_use >= self._max:
+            raise ConnectionError(f"too many Redis connections in use ({self._max})")
+        return self._make(**self._kwargs)  # it connects on its first write
+
+    async def _release(self, conn: AbstractConnection) -> None:
+        if conn.is_connected and len(self._idle) < IDLE_MAX:
+            self._idle.append(conn)
+        else:
+            await conn.disconnect()
 
     async def call(self, commands: Sequence[Sequence[Any]]) -> list[Any]:
         """Send `commands` in one write on a pooled connection and read all their replies, as a
         pipeline without a transaction does. An error reply comes back in its place as the
         exception, not raised. Anything else that goes wrong (a connection error, the deadline,
         a cancellation) drops the connection, whose replies may be unread, and is raised."""
-        conn = await self.pool.get_connection()  # type: ignore[no-untyped-call]
+        conn = await self._acquire()
+        self._in_use += 1
         try:
             async with asyncio.timeout(self.timeout):
                 await conn.send_packed_command(conn.pack_commands(commands))
@@ -65,7 +96,8 @@ class Wire:
             await conn.disconnect(nowait=True)
             raise
         finally:
-            await self.pool.release(conn)
+            self._in_use -= 1
+            await self._release(conn)
 
     async def script(self, sha: str, source: str, keys: Sequence[Any], args: Sequence[Any]) -> Any:
         """EVALSHA; a Redis that does not know the script (restarted, or SCRIPT FLUSH) did not
