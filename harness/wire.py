@@ -81,7 +81,8 @@ class Wire:
         self._in_use += 1
         try:
             async with asyncio.timeout(self.timeout):
-                await conn.send_packed_command(conn.pack_commands(commands))
+                # (liveness is checked when a connection is taken from the pool, not by PING)
+                await conn.send_packed_command(pack(commands), check_health=False)
                 replies: list[Any] = []
                 for _ in commands:
                     try:
@@ -111,3 +112,25 @@ class Wire:
                 raise reply
             return reply
         raise AssertionError("unreachable")
+
+
+def pack(commands: Sequence[Sequence[Any]]) -> bytes:
+    """`commands` in the Redis protocol (RESP2 arrays of bulk strings), as redis-py packs them:
+    bytes as they are, str as UTF-8, int and float by repr."""
+    out: list[bytes] = []
+    for command in commands:
+        out.append(b"*%d\r\n" % len(command))
+        for value in command:
+            arg = _arg(value)
+            out += (b"$%d\r\n" % len(arg), arg, b"\r\n")
+    return b"".join(out)
+
+
+def _arg(value: Any) -> bytes:
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, str):
+        return value.encode()
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return repr(value).encode()
+    raise TypeError(f"cannot send a {type(value).__name__} to Redis")

@@ -10,7 +10,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeout
 
-from harness.wire import Wire
+from harness.wire import Wire, pack
 
 
 async def test_error_replies_come_back_in_place_and_the_rest_are_read(redis: Redis) -> None:
@@ -66,3 +66,14 @@ async def test_a_script_redis_forgot_is_loaded_and_run_once(redis: Redis) -> Non
     with pytest.raises(ResponseError):  # an error the script itself raises is raised
         await wire.script(sha, source, ["word"], [])
     await wire.close()
+
+
+def test_commands_are_packed_as_redis_py_packs_them(redis: Redis) -> None:
+    commands = [
+        ("EVALSHA", "abc", 2, "keel:{s}:meta", b"\x00\xffraw", "t\u00e9xt", 0, -5, 1.5, b""),
+        ("XADD", "keel:{jobs}:stream", "*", "s", "ses_1"),
+    ]
+    conn = redis.connection_pool.make_connection()
+    assert pack(commands) == b"".join(conn.pack_commands(commands))
+    with pytest.raises(TypeError):
+        pack([("SET", "k", True)])

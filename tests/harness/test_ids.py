@@ -1,0 +1,29 @@
+"""Ids: unique, time-ordered, and never repeated by a forked child (they come from a buffer of
+random bytes that a fork must not share)."""
+
+from __future__ import annotations
+
+import os
+
+from harness.ids import new_id
+
+
+def test_ids_are_unique_and_ordered_by_time() -> None:
+    ids = [new_id("it") for _ in range(20_000)]
+    assert len(set(ids)) == len(ids)
+    assert [i[:13] for i in ids] == sorted(i[:13] for i in ids)  # prefix + milliseconds
+
+
+def test_a_forked_child_does_not_repeat_its_parents_ids() -> None:
+    new_id("it")  # the parent has random bytes in hand
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its next ids, to the parent
+        os.write(write, " ".join(new_id("it") for _ in range(3)).encode())
+        os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    child = os.read(read, 4096).decode().split()
+    os.close(read)
+    parent = [new_id("it") for _ in range(3)]
+    assert {c[-16:] for c in child}.isdisjoint(p[-16:] for p in parent)
