@@ -38,15 +38,29 @@ class JobQueue:
         return ("XADD", JOBS, "*", "s", sid)
 
     async def take(self, count: int, block_ms: int) -> list[tuple[str, str]]:
-        """New jobs for this consumer: (job id, session id)."""
-        res: Any = await self.redis.xreadgroup(JOBS_GROUP, self.consumer, {JOBS: ">"}, count=count, block=block_ms)
+        """New jobs for this consumer: (job id, session id). A stream or group that is gone
+        (Redis restarted without persistence, or flushed) is made again, from its start."""
+        try:
+            res: Any = await self.redis.xreadgroup(JOBS_GROUP, self.consumer, {JOBS: ">"}, count=count, block=block_ms)
+        except ResponseError as exc:
+            if not _stream_gone(exc):
+                raise
+            await self.ensure_group()
+            return []
         return [(jid.decode(), fields[b"s"].decode()) for _, entries in res for jid, fields in entries]
 
     async def reclaim(self, min_idle_ms: int, count: int = 100) -> list[tuple[str, str]]:
         """Jobs another consumer took and has not finished for `min_idle_ms` (it may be dead)."""
-        claimed: Any = await self.redis.xautoclaim(
-            JOBS, JOBS_GROUP, self.consumer, min_idle_ms, start_id=self._claim_from, count=count
-        )
+        try:
+            claimed: Any = await self.redis.xautoclaim(
+                JOBS, JOBS_GROUP, self.consumer, min_idle_ms, start_id=self._claim_from, count=count
+            )
+        except ResponseError as exc:
+            if not _stream_gone(exc):
+                raise
+            await self.ensure_group()
+            self._claim_from = "0-0"
+            return []
         self._claim_from = claimed[0].decode()  # next call goes on from here ("0-0": round again)
         entries = claimed[1]
         return [(jid.decode(), fields[b"s"].decode()) for jid, fields in entries if fields]
@@ -56,3 +70,9 @@ class JobQueue:
             pipe.xack(JOBS, JOBS_GROUP, *job_ids)
             pipe.xdel(JOBS, *job_ids)
             await pipe.execute()
+
+
+def _stream_gone(exc: ResponseError) -> bool:
+    """The reply Redis gives a read of a job stream or group that no longer exists (NOGROUP), or
+    a blocked read whose stream was deleted under it (UNBLOCKED)."""
+    return str(exc).startswith(("NOGROUP", "UNBLOCKED"))

@@ -21,7 +21,7 @@ from redis.exceptions import ConnectionError, NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeout
 from redis.maint_notifications import MaintNotificationsConfig
 
-TIMEOUT_S = 5.0  # a whole call (redis-py's default socket timeout, per read)
+TIMEOUT_S = 5.0  # a whole call, by default (redis-py's default socket timeout is 5 s per read)
 
 
 IDLE_MAX = 256  # idle connections kept; more are closed on release
@@ -33,10 +33,11 @@ class Wire:
     restarted, say) is replaced before use, as redis-py's pool does. At most as many open at
     once as the client's pool allows."""
 
-    def __init__(self, redis: Redis, *, timeout: float = TIMEOUT_S) -> None:
+    def __init__(self, redis: Redis, *, timeout: float | None = None) -> None:
         main = redis.connection_pool
         self.redis = redis
-        self.timeout = timeout
+        # a whole call's deadline: the one given, else a socket_timeout from the Redis URL
+        self.timeout = timeout or main.connection_kwargs.get("socket_timeout") or TIMEOUT_S
         self._kwargs = {
             **main.connection_kwargs,
             "socket_timeout": None,
@@ -47,8 +48,11 @@ class Wire:
         self._max = main.max_connections
         self._idle: list[AbstractConnection] = []
         self._in_use = 0
+        self._closed = False
 
     async def close(self) -> None:
+        """Close the idle connections; one still in use is closed when its call ends."""
+        self._closed = True
         idle, self._idle = self._idle, []
         for conn in idle:
             await conn.disconnect()
@@ -67,7 +71,7 @@ class Wire:
         return self._make(**self._kwargs)  # it connects on its first write
 
     async def _release(self, conn: AbstractConnection) -> None:
-        if conn.is_connected and len(self._idle) < IDLE_MAX:
+        if conn.is_connected and len(self._idle) < IDLE_MAX and not self._closed:
             self._idle.append(conn)
         else:
             await conn.disconnect()

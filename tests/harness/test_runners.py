@@ -55,3 +55,18 @@ async def test_two_processes_running_one_session_never_overlap(make_harness: Any
     texts = [i.text for i in await one.history(sid, "anon")]
     assert texts == [x for n in range(20) for x in (f"m{n}", f"re:m{n}")]
     assert len(model.requests) == 20
+
+
+async def test_a_worker_goes_on_when_redis_lost_the_job_stream(make_harness: Any, redis: Any) -> None:
+    """A Redis restarted without persistence (or flushed) has no job stream and no consumer
+    group: a worker (blocked reading the stream meanwhile) makes them again and runs the next
+    message a web process accepts."""
+    agent = Agent(instructions="t", model=ScriptedModel(lambda r: ModelReply(text="hi")))
+    await make_harness(agent)  # the worker
+    web = await make_harness(agent, run_turns=False)
+    sid = await web.create_session("anon")
+    assert (await web.wait_turn(await web.submit(sid, "anon", "before"), 10)).reply == "hi"
+    await redis.flushall()  # sessions, the stream and its group: gone
+    sid = await web.create_session("anon")
+    turn = await web.wait_turn(await web.submit(sid, "anon", "after"), 10)
+    assert turn.status == "completed" and turn.reply == "hi"

@@ -4,6 +4,7 @@ short never leaves its connection, with a reply still to come, in the pool."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 from redis.asyncio import Redis
@@ -77,3 +78,13 @@ def test_commands_are_packed_as_redis_py_packs_them(redis: Redis) -> None:
     assert pack(commands) == b"".join(conn.pack_commands(commands))
     with pytest.raises(TypeError):
         pack([("SET", "k", True)])
+
+
+async def test_the_deadline_follows_a_socket_timeout_in_the_redis_url(valkey: Any) -> None:
+    client = Redis.from_url(valkey.url + "?socket_timeout=0.3")
+    wire = Wire(client)
+    async with asyncio.timeout(4):  # well before the 5 s default
+        with pytest.raises(RedisTimeout):
+            await wire.call([("BLPOP", "never", 10)])
+    await wire.close()
+    await client.aclose()
