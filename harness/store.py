@@ -13,7 +13,6 @@ from typing import Any, NamedTuple
 
 import msgspec
 from redis.asyncio import Redis
-from redis.exceptions import NoScriptError
 
 from harness import lua
 from harness.cache import HistoryCache
@@ -227,15 +226,7 @@ class Store:
             if await self.redis.hget(SessionKeys(sid).meta, "owner") != owner.encode():
                 raise NotFound(f"no session {sid}", code="session_not_found")
             self._remember(sid, owner)
-        for attempt in range(2):
-            replies = await self.wire.call([("EVALSHA", script.sha, len(keys), *keys, *args), *also])
-            if isinstance(replies[0], NoScriptError) and attempt == 0:
-                await self.redis.script_load(source)  # (the job added meanwhile is harmless)
-                continue
-            break
-        for reply in replies:
-            if isinstance(reply, Exception):
-                raise reply
+        replies = await self.wire.script_with(script.sha, source, keys, args, also)
         if replies[0][0] == b"missing":  # sessions are never deleted: only an owner mismatch gets here
             raise NotFound(f"no session {sid}", code="session_not_found")
         return replies[0], replies[1:]

@@ -105,16 +105,25 @@ class Wire:
             await self._release(conn)
 
     async def script(self, sha: str, source: str, keys: Sequence[Any], args: Sequence[Any]) -> Any:
-        """EVALSHA; a Redis that does not know the script (restarted, or SCRIPT FLUSH) did not
-        run it: load it and run it once more. Error replies are raised."""
+        """EVALSHA, its reply (see `script_with`)."""
+        return (await self.script_with(sha, source, keys, args, ()))[0]
+
+    async def script_with(
+        self, sha: str, source: str, keys: Sequence[Any], args: Sequence[Any], also: Sequence[Sequence[Any]]
+    ) -> list[Any]:
+        """EVALSHA and the commands `also` in one write; every reply. A Redis that does not know
+        the script (restarted, or SCRIPT FLUSH) did not run it: load it and send all again (what
+        `also` did the first time is done twice: keel's `also` is a job, harmless twice). Error
+        replies are raised."""
         for attempt in range(2):
-            (reply,) = await self.call([("EVALSHA", sha, len(keys), *keys, *args)])
-            if isinstance(reply, NoScriptError) and attempt == 0:
+            replies = await self.call([("EVALSHA", sha, len(keys), *keys, *args), *also])
+            if isinstance(replies[0], NoScriptError) and attempt == 0:
                 await self.redis.script_load(source)
                 continue
-            if isinstance(reply, Exception):
-                raise reply
-            return reply
+            for reply in replies:
+                if isinstance(reply, Exception):
+                    raise reply
+            return replies
         raise AssertionError("unreachable")
 
 
