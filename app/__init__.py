@@ -9,18 +9,14 @@ import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from redis.asyncio import ConnectionPool, Redis
-from redis.exceptions import RedisError
-from redis.maint_notifications import MaintNotificationsConfig
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 
 from app.settings import Settings
 from channels.auth import ApiKeyAuth
-from channels.errors import http_error_handler, keel_error_handler, redis_error_handler
-from channels.http import routes
-from channels.static import demo_routes, widget_routes
+from channels.errors import http_error_handler, keel_error_handler
+from channels.routes import routes
 from channels.tokens import TokenSigner
 from channels.websocket import WsConfig, WsStats
 from harness import Agent, Harness
@@ -43,19 +39,20 @@ def load_agent(spec: str) -> Agent:
     return obj
 
 
-def redis_client(url: str) -> Redis:
-    """The process's Redis client. The pool may hold up to 4,096 connections: a burst (a
-    thousand sockets opening together) gets more connections rather than errors, and a plain
-    pool costs a turn about 7% less than a blocking one. Maintenance notifications off: redis-py
-    8.1's default ("auto") skips the liveness check of pooled connections, so after a Redis
-    restart every old connection failed once, as a 5xx."""
-    pool = ConnectionPool.from_url(
+def build_harness(
+    settings: Settings, url: str, agent: Agent | None = None, *, run_turns: bool | None = None
+) -> Harness:
+    """The Harness a keel process runs, from its settings, on a Redis client of its own (closed
+    by `Harness.stop`): the web process, the worker (which always runs turns) and the
+    benchmarks all start keel this way."""
+    return Harness.connect(
         url,
-        max_connections=4096,
-        health_check_interval=30,
-        maint_notifications_config=MaintNotificationsConfig(enabled=False),
+        agent or load_agent(settings.agent),
+        run_turns=settings.run_turns if run_turns is None else run_turns,
+        retention=settings.event_retention,
+        lease_ms=settings.lease_ms,
+        concurrency=settings.runner_concurrency,
     )
-    return Redis.from_pool(pool)
 
 
 def create_app(
@@ -69,15 +66,7 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        redis = redis_client(url)
-        harness = Harness(
-            redis,
-            the_agent,
-            run_turns=settings.run_turns,
-            retention=settings.event_retention,
-            lease_ms=settings.lease_ms,
-            concurrency=settings.runner_concurrency,
-        )
+        harness = build_harness(settings, url, the_agent)
         await harness.start()
         app.state.harness = harness
         secret = settings.token_secret.encode() if settings.token_secret else await harness.shared_secret()
@@ -86,16 +75,13 @@ def create_app(
             yield
         finally:
             await harness.stop()
-            await redis.aclose()
 
-    pages = widget_routes() + (demo_routes(Path(__file__).parent / "static") if settings.demo_page else [])
     app = Starlette(
-        routes=[*routes(), *pages],
+        routes=routes(demo_folder=Path(__file__).parent / "static" if settings.demo_page else None),
         middleware=[Middleware(ApiKeyAuth, keys=settings.api_keys)],
         exception_handlers={
             KeelError: keel_error_handler,
             HTTPException: http_error_handler,
-            RedisError: redis_error_handler,
         },
         lifespan=lifespan,
     )

@@ -8,21 +8,14 @@ import sys
 from typing import Any
 
 import uvicorn
-from redis.exceptions import RedisError
 
-from app import create_app, redis_client
+from app import create_app
 from app.embedded import EmbeddedError, EmbeddedValkey
 from app.settings import Settings, SettingsError
+from harness.errors import Unavailable
+from harness.store import reachable
 
 log = logging.getLogger("keel")
-
-
-async def _ping(url: str) -> None:
-    client = redis_client(url)
-    try:
-        await asyncio.wait_for(client.ping(), 5)
-    finally:
-        await client.aclose()
 
 
 def prepare(settings: Settings) -> tuple[str, EmbeddedValkey | None]:
@@ -33,9 +26,9 @@ def prepare(settings: Settings) -> tuple[str, EmbeddedValkey | None]:
         log.info("embedded Valkey at %s, data in %s", url, embedded.data_dir)
         return url, embedded
     try:
-        asyncio.run(_ping(settings.redis_url))
-    except (RedisError, OSError, TimeoutError) as exc:
-        raise SettingsError(f"REDIS_URL is not reachable: {type(exc).__name__}: {exc}") from None
+        asyncio.run(reachable(settings.redis_url))
+    except Unavailable as exc:
+        raise SettingsError(f"REDIS_URL is not reachable: {exc.message}") from None
     return settings.redis_url, None
 
 

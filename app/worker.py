@@ -7,23 +7,15 @@ import logging
 import signal
 import sys
 
-from app import load_agent, redis_client
+from app import build_harness
 from app.__main__ import prepare
 from app.settings import Settings, SettingsError
-from harness import Harness
 
 log = logging.getLogger("keel.worker")
 
 
 async def run(settings: Settings, url: str) -> None:
-    redis = redis_client(url)
-    harness = Harness(
-        redis,
-        load_agent(settings.agent),
-        retention=settings.event_retention,
-        lease_ms=settings.lease_ms,
-        concurrency=settings.runner_concurrency,
-    )
+    harness = build_harness(settings, url, run_turns=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -32,7 +24,6 @@ async def run(settings: Settings, url: str) -> None:
     log.info("worker running turns")
     await stop.wait()
     await harness.stop()
-    await redis.aclose()
 
 
 def main() -> int:

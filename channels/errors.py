@@ -9,10 +9,13 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
-from harness.errors import Conflict, InvalidInput, KeelError, NotFound
+from harness.errors import Conflict, InvalidInput, KeelError, NotFound, Unavailable
 
 _enc = msgspec.json.Encoder()
-_STATUS: list[tuple[type[KeelError], int]] = [(InvalidInput, 400), (NotFound, 404), (Conflict, 409)]
+_STATUS: list[tuple[type[KeelError], int]] = [(InvalidInput, 400), (NotFound, 404), (Conflict, 409), (Unavailable, 503)]
+# Storage unavailable for a moment: a 503 the client retries (a repeated message_id or answer
+# is safe), with Retry-After, rather than an opaque 500.
+RETRY_AFTER = {"Retry-After": "1"}
 _HTTP_CODES = {
     400: "bad_request",
     401: "unauthorized",
@@ -51,19 +54,12 @@ async def keel_error_handler(request: Request, exc: Exception) -> Response:
     if isinstance(exc, ChannelError):
         return error_response(exc.status, exc.code, exc.message)
     status = next((s for cls, s in _STATUS if isinstance(exc, cls)), 400)
-    return error_response(status, exc.code, exc.message, details=exc.details)
+    headers = RETRY_AFTER if isinstance(exc, Unavailable) else None
+    return error_response(status, exc.code, exc.message, headers=headers, details=exc.details)
 
 
 async def http_error_handler(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     return error_response(
         exc.status_code, _HTTP_CODES.get(exc.status_code, "http_error"), str(exc.detail), headers=exc.headers
-    )
-
-
-async def redis_error_handler(request: Request, exc: Exception) -> Response:
-    """Redis unreachable for a moment: a 503 the client can retry (a repeated message_id or
-    answer is safe), with Retry-After, rather than an opaque 500."""
-    return error_response(
-        503, "unavailable", f"storage is unavailable: {type(exc).__name__}; retry", headers={"Retry-After": "1"}
     )

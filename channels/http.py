@@ -1,4 +1,5 @@
-"""The HTTP channel: REST for commands and reads (SSE lives in `channels.sse`).
+"""The HTTP channel: REST for commands and reads (SSE lives in `channels.sse`, the route table
+in `channels.routes`).
 
 Handlers decode and validate at the edge, call the Harness, and encode its values. Nothing is
 written unless the whole request was valid (I10)."""
@@ -8,10 +9,8 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import msgspec
-from redis.exceptions import RedisError
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import BaseRoute, Route, WebSocketRoute
 
 from channels.errors import ChannelError, error_response
 from channels.types import (
@@ -22,6 +21,7 @@ from channels.types import (
     send_message_decoder,
 )
 from harness import Harness
+from harness.errors import Unavailable
 from harness.types import Item
 
 _enc = msgspec.json.Encoder()
@@ -208,28 +208,8 @@ async def healthz(request: Request) -> Response:
 
 async def readyz(request: Request) -> Response:
     try:
-        await harness_of(request).redis.ping()
-    except (RedisError, OSError) as exc:
-        return error_response(503, "redis_unavailable", f"Redis is not reachable: {type(exc).__name__}")
+        await harness_of(request).ping()
+    except Unavailable as exc:
+        cause = type(exc.__cause__ or exc).__name__
+        return error_response(503, "redis_unavailable", f"Redis is not reachable: {cause}")
     return json_response({"ok": True})
-
-
-def routes() -> list[BaseRoute]:
-    from channels.sse import stream_events
-    from channels.websocket import session_socket
-
-    return [
-        Route("/healthz", healthz, methods=["GET"]),
-        Route("/readyz", readyz, methods=["GET"]),
-        Route("/v1/sessions", create_session, methods=["POST"]),
-        Route("/v1/sessions/{sid}", get_session, methods=["GET"]),
-        Route("/v1/sessions/{sid}/messages", send_message, methods=["POST"]),
-        Route("/v1/sessions/{sid}/history", get_history, methods=["GET"]),
-        Route("/v1/sessions/{sid}/responses", respond, methods=["POST"]),
-        Route("/v1/sessions/{sid}/cancel", cancel, methods=["POST"]),
-        Route("/v1/sessions/{sid}/compact", compact, methods=["POST"]),
-        Route("/v1/sessions/{sid}/clear", clear, methods=["POST"]),
-        Route("/v1/sessions/{sid}/events", stream_events, methods=["GET"]),
-        Route("/v1/sessions/{sid}/tokens", mint_token, methods=["POST"]),
-        WebSocketRoute("/v1/sessions/{sid}/ws", session_socket),
-    ]

@@ -25,14 +25,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
-from redis.exceptions import RedisError
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from channels.tokens import TokenSigner
 from channels.types import WsCancel, WsClear, WsCompact, WsFrame, WsMessage, WsPing, WsRespond, ws_frame_decoder
 from harness import Harness
 from harness.aio import cancel_and_wait
-from harness.errors import InvalidInput, KeelError, NotFound
+from harness.errors import InvalidInput, KeelError, NotFound, Unavailable
 from harness.service import check_event_id
 
 log = logging.getLogger("keel.ws")
@@ -90,8 +89,8 @@ async def session_socket(ws: WebSocket) -> None:
         async with gate:  # a thousand sockets opening at once take turns at Redis
             sid, owner, after = await _admit(ws, harness, config, ws.app.state.tokens)
         await Connection(ws, harness, config, sid, owner, gate=gate).run(after)
-    except RedisError as exc:  # storage gone for a moment: the client reconnects after its last event
-        log.warning("session socket: Redis error: %s", type(exc).__name__)
+    except Unavailable as exc:  # storage gone for a moment: the client reconnects after its last event
+        log.warning("session socket: %s", exc.message)
         await _close(ws, stats, Closed(1013, "storage unavailable; reconnect"))
     except Closed as closed:
         await _close(ws, stats, closed)
@@ -192,11 +191,11 @@ class Connection:
             self.bad = 0
         except (msgspec.ValidationError, msgspec.DecodeError, RecursionError) as exc:
             await self._error("invalid_frame", f"not a valid frame: {exc}", ref)
+        except Unavailable as exc:
+            log.warning("session %s: on a websocket frame: %s", self.sid, exc.message)
+            await self._error("unavailable", "storage is unavailable; send the frame again", ref)
         except KeelError as exc:
             await self._error(exc.code, exc.message, ref)
-        except RedisError as exc:
-            log.warning("session %s: Redis error on a websocket frame: %s", self.sid, type(exc).__name__)
-            await self._error("unavailable", "storage is unavailable; send the frame again", ref)
 
     async def _do(self, frame: WsFrame) -> None:
         h, sid, owner = self.harness, self.sid, self.owner

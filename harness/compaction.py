@@ -28,10 +28,10 @@ from typing import NamedTuple
 import msgspec
 
 from harness.models.base import Model, ModelRequest
+from harness.models.tokens import estimate_tokens, item_tokens, items_tokens, request_tokens
 from harness.runtime import newest_snapshot
 from harness.store import Store
 from harness.todo import newest_todo, todo_item
-from harness.tokens import estimate_tokens, item_tokens, items_tokens, request_tokens
 from harness.types import Item, Usage
 
 log = logging.getLogger("keel.compaction")

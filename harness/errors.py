@@ -5,6 +5,8 @@ KeelError                  base; `code` is the stable machine-readable name
 ├── NotFound               unknown session (or one the caller may not see)
 ├── Conflict               the request contradicts the session's state
 ├── StaleLease             a commit by a runner that no longer owns the session (I4)
+├── Unavailable            storage did not answer (or failed); nothing is known to be done:
+│                          the caller retries (a repeated message_id or answer is safe)
 ├── ToolError              a tool failed; becomes an error tool result, not a failed turn
 ├── ModelError             the model call failed; the turn fails with this code
 └── CallbackError          the agent's input callback failed; the turn fails with this code
@@ -38,6 +40,10 @@ class Conflict(KeelError):
 
 class StaleLease(KeelError):
     code = "stale_lease"
+
+
+class Unavailable(KeelError):
+    code = "unavailable"
 
 
 class ToolError(KeelError):

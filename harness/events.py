@@ -32,19 +32,20 @@ class StoredEvent(NamedTuple):
 
 def envelope(sid: str, eid: bytes, fields: dict[bytes, bytes]) -> StoredEvent:
     """An event as read back from the outbox stream."""
-    return made(sid, eid, fields[b"s"], fields[b"t"], fields[b"b"])
+    return made(sid, eid.decode(), int(fields[b"s"]), fields[b"t"].decode(), fields[b"b"])
 
 
-def made(sid: str, eid: bytes, seq: bytes, etype: bytes, body: bytes) -> StoredEvent:
+def made(sid: str, eid: str, seq: int, etype: str, body: bytes) -> StoredEvent:
     """An event as its commit wrote it: the same bytes a read of the outbox gives."""
-    out = b'{"id":"' + eid + b'","seq":' + seq + b',"type":"' + etype + b'","session_id":'
-    return StoredEvent(eid.decode(), etype.decode(), out + _enc.encode(sid) + b"," + body, int(seq))
+    head = b'{"id":"%s","seq":%d,"type":"%s","session_id":' % (eid.encode(), seq, etype.encode())
+    raw = head + _enc.encode(sid) + b"," + body
+    return StoredEvent(eid, etype, raw, seq)
 
 
-def written(sid: str, ids: list[bytes], first_seq: int, events: Sequence[tuple[str, bytes]]) -> list[StoredEvent]:
+def written(sid: str, ids: Sequence[str], first_seq: int, events: Sequence[tuple[str, bytes]]) -> list[StoredEvent]:
     """The events a script emitted, in order (their seqs are consecutive from `first_seq`)."""
     return [
-        made(sid, eid, str(first_seq + n).encode(), etype.encode(), body)
+        made(sid, eid, first_seq + n, etype, body)
         for n, (eid, (etype, body)) in enumerate(zip(ids, events, strict=True))
     ]
 

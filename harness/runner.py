@@ -19,8 +19,7 @@ from harness.aio import cancel_and_wait
 from harness.errors import StaleLease
 from harness.ids import stream_key
 from harness.ops import OpRunner
-from harness.queue import JobQueue
-from harness.store import Begun, Busy, Store
+from harness.store import Begun, Busy, JobQueue, Store
 from harness.turn import Final, Publish, TurnRunner
 
 log = logging.getLogger("keel.runner")

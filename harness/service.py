@@ -8,18 +8,14 @@ import re
 from collections.abc import AsyncIterator
 from typing import Any
 
-from redis.asyncio import Redis
-
 from harness import failpoints
 from harness.agent import Agent
 from harness.context import split_context
 from harness.errors import Conflict, InvalidInput, NotFound
 from harness.events import StoredEvent, decode_data
-from harness.hub import EventHub, Watch
 from harness.ids import new_id, stream_key
-from harness.queue import JobQueue
 from harness.runner import Runner
-from harness.store import Responded, Store, Submitted
+from harness.store import EventHub, JobQueue, Outbox, Redis, Responded, Store, Submitted, Watch, connect
 from harness.types import (
     Answer,
     EntryKind,
@@ -42,7 +38,6 @@ TERMINAL = {
     "input.requested": "waiting",
 }
 MAX_REASON = 2_000
-EVENT_BATCH = 200
 
 
 def check_session_id(sid: str) -> str:
@@ -77,6 +72,8 @@ class Harness:
         self.queue = JobQueue(redis)
         self.runner: Runner | None = None
         self.hub = EventHub(redis, runs_here=self._runs_here)
+        self.outbox = Outbox(self.store, self.hub)
+        self._owns_redis = False
         if run_turns:
             self.runner = Runner(
                 self.store,
@@ -87,6 +84,13 @@ class Harness:
                 concurrency=concurrency,
                 lease_ms=lease_ms,
             )
+
+    @classmethod
+    def connect(cls, url: str, agent: Agent, **options: Any) -> Harness:
+        """A Harness on a Redis client of its own for `url`, closed by `stop()`."""
+        harness = cls(connect(url), agent, **options)
+        harness._owns_redis = True
+        return harness
 
     def _runs_here(self, sid: str) -> bool:
         return self.runner is not None and self.runner.runs(sid)
@@ -106,6 +110,12 @@ class Harness:
             await self.runner.stop()
         await self.hub.stop()
         await self.store.close()
+        if self._owns_redis:
+            await self.redis.aclose()
+
+    async def ping(self) -> None:
+        """Raises `Unavailable` when storage does not answer (readiness)."""
+        await self.store.ping()
 
     # ---- commands ----------------------------------------------------------------------
 
@@ -129,8 +139,6 @@ class Harness:
         message = InboxMessage(
             message_id=message_id, turn_id=new_id("turn"), text=text, context=turn_only, sticky=sticky
         )
-        # The job goes in the same round trip, even for a duplicate: had the first attempt died
-        # between recording the message and enqueueing its job, the client's retry repairs it.
         # A process that runs turns, and runs none of this session's now, lets SUBMIT begin the
         # turn too (one round trip less); the session is held meanwhile, so that its job coming
         # back off the stream cannot start a second drain.
@@ -139,7 +147,7 @@ class Harness:
             # Shielded: a caller cancelled after SUBMIT began the turn must not strand its lease.
             submitted = await asyncio.shield(self._submit_reserved(runner, sid, owner, message))
         else:
-            submitted = await self.store.submit(sid, owner, message, also=[JobQueue.job(sid)])
+            submitted = await self.store.submit(sid, owner, message)
             if runner is not None:
                 runner.kick(sid, submitted.job_id)
         duplicate, turn_id, received_id, received = submitted[:4]
@@ -158,9 +166,7 @@ class Harness:
         """SUBMIT that may begin the turn, then the runner runs what it began (or drains as
         usual); the reservation is given back whatever happens."""
         try:
-            submitted = await self.store.submit(
-                sid, owner, message, also=[JobQueue.job(sid)], begin_lease_ms=runner.lease_ms
-            )
+            submitted = await self.store.submit(sid, owner, message, begin_lease_ms=runner.lease_ms)
         except BaseException:
             runner.adopt(sid, None, None)
             raise
@@ -219,18 +225,16 @@ class Harness:
         check_session_id(sid)
         op_id = new_id("turn")
         entry = InboxMessage(message_id=new_id(kind), turn_id=op_id, kind=kind)
-        (job_id,) = await self.store.enqueue(sid, owner, entry, also=[JobQueue.job(sid)])
+        job_id = await self.store.enqueue(sid, owner, entry)
         if self.runner is not None:
-            self.runner.kick(sid, job_id.decode())
+            self.runner.kick(sid, job_id)
         return op_id
 
     async def _wake(self, sid: str) -> None:
         """Queue a job for the session (and run it here at once, if this process runs turns)."""
-        (job_id,) = await self.store.wire.call([JobQueue.job(sid)])
-        if isinstance(job_id, Exception):
-            raise job_id
+        job_id = await self.store.add_job(sid)
         if self.runner is not None:
-            self.runner.kick(sid, job_id.decode())
+            self.runner.kick(sid, job_id)
 
     # ---- reads -------------------------------------------------------------------------
 
@@ -275,47 +279,10 @@ class Harness:
     async def tail(
         self, sid: str, after: str, *, heartbeat: float, gate: asyncio.Semaphore | None = None
     ) -> AsyncIterator[StoredEvent | None]:
-        """Events after `after`, then live ones, forever. Yields None after `heartbeat` seconds
-        without an event (for keep-alives). The caller checks ownership first. `gate` bounds how
-        many readers do their first (replay) read at once."""
-        async with self.hub.watch(sid, after) as watch:
-            async for event in self._follow(sid, watch, after, heartbeat, read_first=True, gate=gate):
-                yield event
-
-    async def _follow(
-        self,
-        sid: str,
-        watch: Watch,
-        after: str,
-        heartbeat: float,
-        *,
-        read_first: bool,
-        gate: asyncio.Semaphore | None = None,
-    ) -> AsyncIterator[StoredEvent | None]:
-        if not read_first and not await watch.wait(heartbeat):
-            yield None
-        if gate is not None:
-            async with gate:
-                first = await self.store.events(sid, after, count=EVENT_BATCH)
-            for event in first:
-                yield event
-            watch.advance(first)
-            after = first[-1].id if first else after
-            if len(first) < EVENT_BATCH and not await watch.wait(heartbeat):
-                yield None  # all read: the next read waits for news
-        while True:
-            taken = watch.take()  # what this process committed, if it continues where we are
-            from_stream = taken is None
-            batch = taken if taken is not None else await self.store.events(sid, after, count=EVENT_BATCH)
-            for event in batch:
-                yield event
-            watch.advance(batch)
-            if batch:
-                after = batch[-1].id
-            if from_stream and len(batch) == EVENT_BATCH:
-                continue  # more to read
-            if not await watch.wait(heartbeat):
-                yield None
+        """Events after `after`, then live ones, forever (`Outbox.tail`). The caller checks
+        ownership first."""
+        async for event in self.outbox.tail(sid, after, heartbeat=heartbeat, gate=gate):
+            yield event
 
     async def wait_turn(self, result: SubmitResult, timeout: float) -> TurnResult:
         """Wait until the message's turn settles; returns its events (from message.received on)."""
@@ -352,15 +319,11 @@ class Harness:
             position, read = after, read_first
             while True:
                 if read:
-                    batch = watch.take()  # what this process committed, if it continues the read
-                    from_stream = batch is None
-                    if batch is None:
-                        batch = await self.store.events(sid, position, count=EVENT_BATCH)
-                    watch.advance(batch)
+                    batch, more = await self.outbox.next(sid, watch, position)
                     if batch:
                         position = batch[-1].id
                     events.extend(decode_data(e.raw) for e in batch if marker in e.raw)
-                    if from_stream and len(batch) == EVENT_BATCH:
+                    if more:
                         continue  # read everything there is before judging the newest event
                     status = TERMINAL.get(events[-1]["type"]) if events else None
                     if status is not None:

@@ -23,10 +23,10 @@ from harness.errors import CallbackError, StaleLease
 from harness.events import StoredEvent, event_body
 from harness.ids import new_id
 from harness.models.base import ModelReply, ModelRequest
+from harness.models.tokens import request_tokens
 from harness.prompt import assemble, new_input, user_item
 from harness.runtime import changed, newest_snapshot, snapshot_item
-from harness.store import Begun, Committed, Store, UsageRecord
-from harness.tokens import request_tokens
+from harness.store import Begun, CommitMode, Committed, Store, UsageRecord
 from harness.tools import ToolContext
 from harness.types import Answer, ApprovalRequest, Item, ToolCall, Usage
 
@@ -240,6 +240,7 @@ class TurnRunner:
         requests = [
             ApprovalRequest(request_id(c.id or ""), c.id or "", c.name, c.arguments, self.turn_id) for c in gated
         ]
+        mode: CommitMode
         if requests:
             data = [{"request_id": r.request_id, "tool": r.tool, "arguments": r.arguments} for r in requests]
             events.append(self._event("input.requested", {"requests": data}))
@@ -380,7 +381,7 @@ class TurnRunner:
         items: list[Item],
         events: list[tuple[str, bytes]],
         *,
-        mode: str = "step",
+        mode: CommitMode = "step",
         requests: list[ApprovalRequest] | None = None,
         answers: list[tuple[str, Answer]] | None = None,
         after: str | None = None,

@@ -58,13 +58,13 @@ PageContext = str | list[str] | dict[str, str | None] | None
 
 class InboxMessage(msgspec.Struct, frozen=True, omit_defaults=True):
     """A user message waiting for (or in) its turn, or a compact/clear queued behind the turns
-    before it (`kind`; no text, no user item). Lives in the session inbox, not in history."""
+    before it (`kind`; no text, no user item). Lives in the session inbox, not in history.
+    (Entries written before 2026-12 also carry a `received_id`, ignored: the `mids` hash has it.)"""
 
     message_id: str
     turn_id: str
     text: str = ""
     kind: EntryKind = "message"
-    received_id: str = ""  # outbox id of its message.received event (set by the submit script)
     context: list[str] = []  # this turn only
     sticky: dict[str, str | None] = {}  # keyed updates, applied when the turn begins
 

@@ -26,13 +26,14 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from redis.asyncio import Redis
 from support import Deadline, start_valkey, stop_process  # the sibling module: this file runs as a script
 
-from harness import Agent, Harness, tool
+from app import build_harness
+from app.settings import Settings
+from harness import Agent, tool
 from harness.compaction import Compaction
 from harness.models import CachingScriptedModel, Item, ModelReply, ModelRequest, ToolCall
-from harness.tokens import estimate_tokens
+from harness.models.tokens import estimate_tokens
 from harness.types import PageContext
 
 INSTRUCTIONS = "You are a careful product assistant for an online shop. Answer briefly. " * 12
@@ -57,7 +58,7 @@ def branch_at(n: int) -> str:
     return f"feature-{n // 10}"
 
 
-async def keel_session(redis: Redis, turns: int, *, features: bool, window: int | None = None) -> dict[str, Any]:
+async def keel_session(url: str, turns: int, *, features: bool, window: int | None = None) -> dict[str, Any]:
     state = {"n": 0}
 
     def git_branch() -> str:
@@ -72,7 +73,7 @@ async def keel_session(redis: Redis, turns: int, *, features: bool, window: int 
         context_window=window,
         compaction=Compaction(keep_turns=4),
     )
-    h = Harness(redis, agent)
+    h = build_harness(Settings(), url, agent)
     await h.start()
     try:
         sid = await h.create_session("bench")
@@ -134,9 +135,9 @@ async def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="keel-bench-ctx-") as tmp:
         proc, port = start_valkey(Path(tmp), Deadline(60))
-        redis = Redis(host="127.0.0.1", port=port)
+        url = f"redis://127.0.0.1:{port}"
         try:
-            keel = await keel_session(redis, 50, features=True)
+            keel = await keel_session(url, 50, features=True)
             naive = await naive_ratio(50)
             print("50-turn session, page context every turn, branch changes every 10 turns, tool every 3rd:")
             print(
@@ -145,8 +146,8 @@ async def main() -> None:
             )
             print(f"  baseline (branch in the system prompt, seed 003): {naive:.1%} cached")
             window = 6_000
-            long = await keel_session(redis, args.long, features=True, window=window)
-            bare = await keel_session(redis, args.long, features=False)
+            long = await keel_session(url, args.long, features=True, window=window)
+            bare = await keel_session(url, args.long, features=False)
             print(f"{args.long}-turn session, context_window {window:,}, compaction keep_turns=4:")
             print(
                 f"  compactions {long['compactions']}, largest prompt {long['max_prompt']:,} tokens "
@@ -159,7 +160,6 @@ async def main() -> None:
             )
             print(f"  (estimate of the instructions alone: {estimate_tokens(INSTRUCTIONS)} tokens)")
         finally:
-            await redis.aclose()
             stop_process(proc)
 
 

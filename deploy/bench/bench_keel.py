@@ -27,8 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # keel's packages,
 
 import common  # type: ignore[import-not-found]  # the peers' harness (run.py puts its folder on PYTHONPATH)
 
-from app import redis_client
-from harness import Agent, Harness, tool
+from app import build_harness
+from app.settings import Settings
+from harness import Agent, tool
 from harness.models import ModelReply, ModelRequest, ScriptedModel, ToolCall, Usage
 
 USAGE = Usage(input_tokens=100, output_tokens=1)
@@ -55,11 +56,11 @@ async def setup(args: Any) -> Any:
     if variant == "long":
         common.SEQ_TURNS = 1_000
     ctx = types.SimpleNamespace()
-    ctx.redis = redis_client(f"redis://127.0.0.1:{args.port}")
-    await ctx.redis.flushall()
     fn = with_tool if variant == "tool" else plain
     agent = Agent(instructions="You are a test agent.", tools=[add], model=ScriptedModel(fn, keep=0))
-    ctx.harness = Harness(ctx.redis, agent)
+    ctx.harness = build_harness(Settings(), f"redis://127.0.0.1:{args.port}", agent)
+    ctx.redis = ctx.harness.redis
+    await ctx.redis.flushall()
     await ctx.harness.start()
     return ctx
 
@@ -85,7 +86,6 @@ async def verify(ctx: Any, s: str, sessions: list[str]) -> dict[str, Any]:
 
 async def teardown(ctx: Any) -> None:
     await ctx.harness.stop()
-    await ctx.redis.aclose()
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ prefix cache would, so tests and benchmarks can measure cache reuse without a pr
 
 A request is a sequence of blocks: the tools + system block, then each message. The cached
 part of a request is its longest run of leading blocks that some earlier request of the same
-session also began with, counted in estimated tokens (`harness.tokens`). Real caches work on
+session also began with, counted in estimated tokens (`harness.models.tokens`). Real caches work on
 tokens, need a minimum prefix and a breakpoint; this double is deliberately simpler: it
 measures whether the prefix keel sends is stable, which is what keel controls.
 """
@@ -14,7 +14,7 @@ import msgspec
 
 from harness.models.base import ModelReply, ModelRequest
 from harness.models.scripted import ScriptedModel, ScriptFn
-from harness.tokens import item_tokens, prefix_tokens
+from harness.models.tokens import item_tokens, prefix_tokens
 from harness.types import Usage
 
 _enc = msgspec.json.Encoder()

@@ -7,7 +7,7 @@ import inspect
 from collections.abc import Awaitable, Callable
 
 from harness.models.base import ModelReply, ModelRequest
-from harness.tokens import estimate_tokens, request_tokens
+from harness.models.tokens import estimate_tokens, request_tokens
 from harness.types import Usage
 
 ScriptFn = Callable[[ModelRequest], ModelReply | Awaitable[ModelReply]]

@@ -47,7 +47,7 @@ from typing import Any
 import httpx
 from redis.asyncio import Redis
 
-from harness.keys import SessionKeys
+from harness.store.keys import SessionKeys
 from tests.service import EventTail, Service
 
 FAILPOINTS = (

@@ -31,7 +31,7 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
-from harness.keys import SessionKeys
+from harness.store.keys import SessionKeys
 from tests.conftest import ValkeyServer, free_port
 from tests.service import Service
 

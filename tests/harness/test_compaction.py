@@ -10,8 +10,8 @@ from typing import Any
 from harness import Agent, tool
 from harness.compaction import PREVIOUS_HEADER, SUMMARY_HEADER, TRANSCRIPT_HEADER, Compaction
 from harness.models import ModelReply, ModelRequest, ScriptedModel, ToolCall, Usage
+from harness.models.tokens import request_tokens
 from harness.todo import HEADER as TODO_HEADER
-from harness.tokens import request_tokens
 
 
 async def run_turn(h: Any, sid: str, text: str, context: Any = None) -> Any:
@@ -22,7 +22,7 @@ async def run_turn(h: Any, sid: str, text: str, context: Any = None) -> Any:
 
 async def events_until(h: Any, sid: str, last: str, timeout: float = 10) -> list[dict[str, Any]]:
     """Every event of the session from the start until (and with) the first `last` event."""
-    from harness.store import decode_data
+    from harness.events import decode_data
 
     out: list[dict[str, Any]] = []
     async with asyncio.timeout(timeout):
@@ -36,7 +36,7 @@ async def events_until(h: Any, sid: str, last: str, timeout: float = 10) -> list
 
 
 async def all_events(h: Any, sid: str) -> list[dict[str, Any]]:
-    from harness.store import decode_data
+    from harness.events import decode_data
 
     out: list[Any] = []
     while batch := await h.store.events(sid, out[-1].id if out else "0-0"):

@@ -1,4 +1,4 @@
-"""The store's direct command path (harness/wire.py): every reply read, in order, and a call cut
+"""The store's direct command path (harness/store/wire.py): every reply read, in order, and a call cut
 short never leaves its connection, with a reply still to come, in the pool."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeout
 
-from harness.wire import Wire, pack
+from harness.store.wire import Wire, pack
 
 
 async def test_error_replies_come_back_in_place_and_the_rest_are_read(redis: Redis) -> None:

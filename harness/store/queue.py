@@ -11,7 +11,8 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
-from harness.keys import JOBS, JOBS_GROUP
+from harness.store.client import translated
+from harness.store.keys import JOBS, JOBS_GROUP
 
 
 def consumer_name() -> str:
@@ -24,6 +25,7 @@ class JobQueue:
         self.consumer = consumer or consumer_name()
         self._claim_from = "0-0"
 
+    @translated
     async def ensure_group(self) -> None:
         try:
             await self.redis.xgroup_create(JOBS, JOBS_GROUP, id="0", mkstream=True)
@@ -37,6 +39,7 @@ class JobQueue:
         reply is the job id."""
         return ("XADD", JOBS, "*", "s", sid)
 
+    @translated
     async def take(self, count: int, block_ms: int) -> list[tuple[str, str]]:
         """New jobs for this consumer: (job id, session id). A stream or group that is gone
         (Redis restarted without persistence, or flushed) is made again, from its start."""
@@ -49,6 +52,7 @@ class JobQueue:
             return []
         return [(jid.decode(), fields[b"s"].decode()) for _, entries in res for jid, fields in entries]
 
+    @translated
     async def reclaim(self, min_idle_ms: int, count: int = 100) -> list[tuple[str, str]]:
         """Jobs another consumer took and has not finished for `min_idle_ms` (it may be dead)."""
         try:
@@ -65,6 +69,7 @@ class JobQueue:
         entries = claimed[1]
         return [(jid.decode(), fields[b"s"].decode()) for jid, fields in entries if fields]
 
+    @translated
     async def done(self, *job_ids: str) -> None:
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.xack(JOBS, JOBS_GROUP, *job_ids)

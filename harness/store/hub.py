@@ -21,7 +21,7 @@ from redis.asyncio import Redis
 from harness.aio import cancel_and_wait
 from harness.events import StoredEvent
 from harness.ids import stream_key
-from harness.keys import SessionKeys
+from harness.store.keys import SessionKeys, session_of
 
 log = logging.getLogger("keel.hub")
 
@@ -188,7 +188,7 @@ class EventHub:
                 streams: Any = {SessionKeys(s).outbox: self._last[s] for s in sids if s in self._last}
                 res: Any = await redis.xread(streams, count=1, block=self._block)
                 for key, entries in res:
-                    sid = key.decode().split("{", 1)[1].rsplit("}", 1)[0]
+                    sid = session_of(key.decode())
                     eid = entries[-1][0].decode()
                     last = self._last.get(sid)
                     if last is None or stream_key(eid) <= stream_key(last):

@@ -26,3 +26,8 @@ class SessionKeys:
         self.lease = base + "lease"  # string: fencing token of the runner that owns the session
         self.pending = base + "pending"  # hash: request_id -> the approval request (never rewritten)
         self.decisions = base + "decisions"  # hash: request_id -> the answer to it
+
+
+def session_of(key: str) -> str:
+    """The session id inside one of its keys (the hash tag)."""
+    return key.split("{", 1)[1].rsplit("}", 1)[0]

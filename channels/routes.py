@@ -1,0 +1,34 @@
+"""The route table: every path keel serves and the handler behind it, in one place that imports
+the channel modules (none of which imports another's routes)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from starlette.routing import BaseRoute, Route, WebSocketRoute
+
+from channels import http
+from channels.sse import stream_events
+from channels.static import demo_routes, widget_routes
+from channels.websocket import session_socket
+
+
+def routes(*, demo_folder: Path | None = None) -> list[BaseRoute]:
+    """The API, the widget script, and the demo page from `demo_folder` when given."""
+    return [
+        Route("/healthz", http.healthz, methods=["GET"]),
+        Route("/readyz", http.readyz, methods=["GET"]),
+        Route("/v1/sessions", http.create_session, methods=["POST"]),
+        Route("/v1/sessions/{sid}", http.get_session, methods=["GET"]),
+        Route("/v1/sessions/{sid}/messages", http.send_message, methods=["POST"]),
+        Route("/v1/sessions/{sid}/history", http.get_history, methods=["GET"]),
+        Route("/v1/sessions/{sid}/responses", http.respond, methods=["POST"]),
+        Route("/v1/sessions/{sid}/cancel", http.cancel, methods=["POST"]),
+        Route("/v1/sessions/{sid}/compact", http.compact, methods=["POST"]),
+        Route("/v1/sessions/{sid}/clear", http.clear, methods=["POST"]),
+        Route("/v1/sessions/{sid}/events", stream_events, methods=["GET"]),
+        Route("/v1/sessions/{sid}/tokens", http.mint_token, methods=["POST"]),
+        WebSocketRoute("/v1/sessions/{sid}/ws", session_socket),
+        *widget_routes(),
+        *(demo_routes(demo_folder) if demo_folder is not None else []),
+    ]

@@ -1,0 +1,44 @@
+"""keel's storage on Redis (or Valkey): the only code that imports `redis`, knows key names,
+Lua or RESP.
+
+What it promises:
+- every change to a session is one atomic script, fenced by the session lease's token where a
+  runner writes (a stale owner's commit changes nothing but its usage: I4, I5);
+- every key of a session shares one hash tag, so each script touches one cluster slot;
+- events are written to the session's outbox stream by the same script as the state they
+  describe, and read back byte for byte (I2);
+- a Redis failure leaves the package as `harness.errors.Unavailable`, never a Redis error.
+
+Modules, one noun each: `keys` (every key), `lua` and `protocol` (the scripts and their typed
+arguments and replies), `wire` (the turn's direct command path), `sessions` (the session
+store's commands), `queue` (the job stream), `cache` (decoded history per process), `hub`
+(wake-ups and this process's events), `outbox` (reading events), `client` (the connection
+and error translation), `types` (what the commands hand back).
+"""
+
+from redis.asyncio import Redis
+
+from harness.store.client import connect, reachable
+from harness.store.hub import EventHub, Watch
+from harness.store.outbox import Outbox
+from harness.store.queue import JobQueue
+from harness.store.sessions import CommitMode, Store
+from harness.store.types import Begun, Busy, Committed, Responded, Submitted, UsageRecord
+
+__all__ = [
+    "Begun",
+    "Busy",
+    "CommitMode",
+    "Committed",
+    "EventHub",
+    "JobQueue",
+    "Outbox",
+    "Redis",
+    "Responded",
+    "Store",
+    "Submitted",
+    "UsageRecord",
+    "Watch",
+    "connect",
+    "reachable",
+]

@@ -1,0 +1,325 @@
+"""The scripts' protocol, named and typed: what each Lua script takes and what it answers.
+
+A script gets its keys by name and one argument, its `...Args` Struct packed as MessagePack:
+the Lua prelude that `Script` puts in front of each script makes them `K.<name>` and
+`A.<field>`. It answers one MessagePack map, decoded here into its reply Struct (a tagged union
+where a script has several outcomes). Nothing outside this module indexes a reply or lays out
+an argument list, and no JSON is cut or spliced: stored JSON (history items, inbox entries,
+event bodies) travels as strings and is written byte for byte. Redis's Lua MessagePack has no
+`bin` type, so those strings are text (UTF-8 JSON, as msgspec writes it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Any, Generic, Literal, TypeVar
+
+import msgspec
+
+from harness.store import lua
+from harness.store.keys import SessionKeys
+
+R_co = TypeVar("R_co", covariant=True)
+_pack = msgspec.msgpack.Encoder().encode
+
+
+class Script(Generic[R_co]):
+    """One script: its source with the prelude that names its keys and arguments, its SHA1,
+    and the decoder of its reply."""
+
+    def __init__(self, body: str, keys: Sequence[str], reply: Any) -> None:
+        # (`reply`: the reply's type, a Struct or a union of them: the constants below say which)
+        names = ", ".join(f"{name} = KEYS[{n}]" for n, name in enumerate(keys, start=1))
+        self.source = f"local K = {{{names}}}\nlocal A = cmsgpack.unpack(ARGV[1])\n{body}"
+        self.sha = hashlib.sha1(self.source.encode()).hexdigest()
+        self.key_names = tuple(keys)
+        self._decode = msgspec.msgpack.Decoder(reply).decode
+
+    def keys(self, k: SessionKeys) -> list[str]:
+        return [getattr(k, name) for name in self.key_names]
+
+    @staticmethod
+    def args(args: msgspec.Struct) -> list[bytes]:
+        return [_pack(args)]
+
+    def reply(self, raw: bytes) -> R_co:
+        decoded: R_co = self._decode(raw)
+        return decoded
+
+
+class Reply(msgspec.Struct, tag_field="tag"):
+    """Base of the replies that say which outcome they are."""
+
+
+class Missing(Reply, tag="missing"):
+    """No such session, or not the caller's (the two look the same)."""
+
+
+class Added(Reply, tag="ok"):
+    """An event was written: its stream id and seq."""
+
+    id: str
+    seq: int
+
+
+class Done(Reply, tag="ok"):
+    pass
+
+
+# ---- CREATE ------------------------------------------------------------------------------
+
+
+class CreateArgs(msgspec.Struct, frozen=True):
+    owner: str
+    created_at: str
+    metadata: str  # JSON
+    retention: int
+    body: str  # the session.created event body
+
+
+class Exists(Reply, tag="exists"):
+    pass
+
+
+# ---- BEGIN (and SUBMIT's begin) ----------------------------------------------------------
+
+
+class BeginArgs(msgspec.Struct, frozen=True):
+    fence: str  # this runner's current token, or ""
+    lease_ms: int
+    now: str  # the events' `at`
+    retention: int
+    have_start: int  # the caller's cached history: where it starts (-1: none) ...
+    have_len: int  # ... and how many items it holds
+
+
+class Began(Reply, tag="ok"):
+    fence: int
+    head: str  # the inbox entry of the turn (JSON)
+    n_before: int  # active history items before this turn's
+    start: int  # where the active history starts in the list
+    reused: int  # how many of the caller's cached items are still good
+    items: list[str] = []  # the active history from `reused` on
+    sticky: dict[str, str] = {}
+    started_id: str = ""  # the turn.started (or compaction.requested) this BEGIN wrote
+    started_seq: int = 0
+    started_body: str = ""
+    cancel: bool = False
+    decisions: dict[str, str] = {}  # the paused step's requests -> their answers ("" = none)
+    last_in: int = 0
+    last_est: int = 0
+
+
+class LeaseTaken(Reply, tag="busy"):
+    """Another runner holds the lease."""
+
+    retry_ms: int
+
+
+class Empty(Reply, tag="empty"):
+    pass
+
+
+class Waiting(Reply, tag="waiting"):
+    pass
+
+
+BeginReply = Began | LeaseTaken | Empty | Waiting | Missing
+
+
+# ---- SUBMIT, ENQUEUE ---------------------------------------------------------------------
+
+
+class SubmitArgs(msgspec.Struct, frozen=True):
+    owner: str
+    message_id: str
+    turn_id: str
+    entry: str  # the InboxMessage (JSON)
+    retention: int
+    body: str  # the message.received event body
+    begin: BeginArgs | None = None  # begin the turn if the message is alone and the lease free
+
+
+class New(Reply, tag="new"):
+    id: str
+    seq: int
+    began: BeginReply | None = None
+
+
+class Duplicate(Reply, tag="dup"):
+    turn_id: str
+    received_id: str
+
+
+class EnqueueArgs(msgspec.Struct, frozen=True):
+    owner: str
+    entry: str  # the InboxMessage (JSON)
+
+
+# ---- COMMIT, USAGE, ATTEMPT --------------------------------------------------------------
+
+
+class UsageArgs(msgspec.Struct, frozen=True):
+    input_tokens: int
+    output_tokens: int
+    cached_tokens: int
+    body: str  # the usage.recorded event body
+    last_est: int | None = None  # with a turn call's report: keel's estimate of that request
+
+
+class RequestArg(msgspec.Struct, frozen=True):
+    request_id: str
+    json: str  # the ApprovalRequest
+
+
+class AnswerArg(msgspec.Struct, frozen=True):
+    request_id: str
+    json: str  # the Answer
+    body: str  # its input.resolved event body, emitted if the answer is set
+
+
+class EventArg(msgspec.Struct, frozen=True):
+    type: str
+    body: str
+
+
+CommitMode = Literal["step", "final", "pause"]
+
+
+class CommitArgs(msgspec.Struct, frozen=True):
+    fence: str
+    turn_id: str
+    retention: int
+    mode: CommitMode
+    waiting_on: list[str]  # pause: the request ids the turn waits for
+    attempt: bool  # a model call follows: count it
+    items: list[str]  # encoded Items, appended to history
+    requests: list[RequestArg]
+    answers: list[AnswerArg]
+    events: list[EventArg]
+    rebase: int | None = None  # the items become the whole active history; the turn's start at this offset
+    usage: UsageArgs | None = None  # a model call's tokens, recorded first, fenced or not
+
+
+class CommitOutcome(Reply):
+    ids: list[str]  # the events written, in order
+    length: int  # the history list's length after the commit
+    first_seq: int  # the seq of the first of them
+    resolved: list[int]  # which of the given answers were set (and emitted)
+    cancel: bool = False  # a cancel was asked for this turn
+
+
+class Stepped(CommitOutcome, tag="ok"):
+    pass
+
+
+class More(CommitOutcome, tag="more"):
+    """Final commit, and the inbox has another message: the lease is kept."""
+
+
+class Finished(CommitOutcome, tag="done"):
+    """Final commit, inbox empty: the lease is released."""
+
+
+class Paused(CommitOutcome, tag="paused"):
+    """The session now waits for answers; the lease is released."""
+
+
+class Stale(Reply, tag="stale"):
+    """The fence or the turn no longer match: nothing but the usage was written."""
+
+
+CommitReply = Stepped | More | Finished | Paused | Stale
+
+
+class RecordUsageArgs(msgspec.Struct, frozen=True):
+    retention: int
+    usage: UsageArgs
+
+
+class NoArgs(msgspec.Struct, frozen=True):
+    pass
+
+
+# ---- RESPOND, CANCEL, RENEW, RELEASE -----------------------------------------------------
+
+
+class RespondArgs(msgspec.Struct, frozen=True):
+    owner: str
+    request_id: str
+    answer: str  # the Answer (JSON)
+    retention: int
+    now: str
+    data: str  # the input.resolved event's data (JSON)
+
+
+class Recorded(Reply, tag="ok"):
+    id: str
+    seq: int
+    body: str
+    left: int  # the paused turn's requests still unanswered (-1: not one of them)
+
+
+class Answered(Reply, tag="answered"):
+    answer: str  # the answer recorded first (JSON)
+
+
+class Unknown(Reply, tag="unknown"):
+    pass
+
+
+class CancelArgs(msgspec.Struct, frozen=True):
+    owner: str
+    turn_id: str  # "" for whichever turn is current
+
+
+class Cancelling(Reply, tag="ok"):
+    turn_id: str
+
+
+class Idle(Reply, tag="idle"):
+    pass
+
+
+class LeaseArgs(msgspec.Struct, frozen=True):
+    fence: str
+    ttl_ms: int = 0
+
+
+class Held(msgspec.Struct, frozen=True):
+    held: bool
+
+
+class Count(msgspec.Struct, frozen=True):
+    n: int
+
+
+_SESSION = ("meta", "inbox", "lease", "history", "sticky", "outbox", "decisions")
+_COMMIT = ("meta", "lease", "history", "outbox", "inbox", "pending", "decisions")
+CREATE: Script[Added | Exists] = Script(lua.CREATE, ("meta", "outbox"), Added | Exists)
+ENQUEUE: Script[Done | Missing] = Script(lua.ENQUEUE, ("meta", "inbox"), Done | Missing)
+BEGIN: Script[BeginReply] = Script(lua.BEGIN, _SESSION, BeginReply)
+SUBMIT: Script[New | Duplicate | Missing] = Script(lua.SUBMIT, (*_SESSION, "mids"), New | Duplicate | Missing)
+COMMIT: Script[CommitReply] = Script(lua.COMMIT, _COMMIT, CommitReply)
+USAGE: Script[Added] = Script(lua.USAGE, ("meta", "outbox"), Added)
+ATTEMPT: Script[Count] = Script(lua.ATTEMPT, ("meta",), Count)
+RESPOND: Script[Recorded | Answered | Unknown | Missing] = Script(
+    lua.RESPOND, ("meta", "pending", "decisions", "outbox"), Recorded | Answered | Unknown | Missing
+)
+CANCEL: Script[Cancelling | Idle | Missing] = Script(lua.CANCEL, ("meta", "inbox"), Cancelling | Idle | Missing)
+RENEW: Script[Held] = Script(lua.RENEW, ("lease",), Held)
+RELEASE: Script[Held] = Script(lua.RELEASE, ("lease",), Held)
+SCRIPTS: tuple[Script[object], ...] = (
+    CREATE,
+    ENQUEUE,
+    BEGIN,
+    SUBMIT,
+    COMMIT,
+    USAGE,
+    ATTEMPT,
+    RESPOND,
+    CANCEL,
+    RENEW,
+    RELEASE,
+)

@@ -1,0 +1,383 @@
+"""The session store: every change to a session is one script of `protocol`, guarded where it
+matters by the session lease's fencing token; reads are plain commands. The turn's scripts
+(SUBMIT with its job, BEGIN, COMMIT) and the rest go by the `Wire`."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+import msgspec
+from redis.asyncio import Redis
+
+from harness.errors import Conflict, NotFound, StaleLease
+from harness.events import StoredEvent, envelope, event_body, made, written
+from harness.store import protocol as p
+from harness.store.cache import HistoryCache
+from harness.store.client import translated
+from harness.store.keys import TOKEN_SECRET, SessionKeys
+from harness.store.queue import JobQueue
+from harness.store.types import Begun, Busy, Committed, Responded, Submitted, UsageRecord
+from harness.store.wire import Wire
+from harness.types import (
+    Answer,
+    ApprovalRequest,
+    InboxMessage,
+    Item,
+    Usage,
+    answer_decoder,
+    inbox_decoder,
+    item_decoder,
+    request_decoder,
+)
+
+R = TypeVar("R")
+CommitMode = p.CommitMode
+_enc = msgspec.json.Encoder()
+KNOWN_MAX = 100_000
+
+
+def _missing(sid: str) -> NotFound:
+    return NotFound(f"no session {sid}", code="session_not_found")
+
+
+class Store:
+    def __init__(self, redis: Redis, *, retention: int = 10_000, cache_sessions: int = 1024) -> None:
+        self.redis = redis
+        self.wire = Wire(redis)  # every script goes this way
+        self.retention = retention
+        self._known: dict[str, str] = {}  # session id -> owner, seen to exist
+        self._cache = HistoryCache(cache_sessions)
+
+    async def close(self) -> None:
+        await self.wire.close()
+
+    @translated
+    async def ping(self) -> None:
+        await self.redis.ping()
+
+    @translated
+    async def load_scripts(self) -> None:
+        """Have Redis know every script before the first one runs. (A Redis that forgets them
+        later, restarted or flushed, answers NOSCRIPT, and the caller loads and runs again; a
+        submit then adds its job twice, which is harmless.)"""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for script in p.SCRIPTS:
+                pipe.script_load(script.source)
+            await pipe.execute()
+
+    async def _run(self, script: p.Script[R], sid: str, args: msgspec.Struct) -> R:
+        raw = await self.wire.script(script.sha, script.source, script.keys(SessionKeys(sid)), script.args(args))
+        return script.reply(raw)
+
+    # ---- session lifecycle -------------------------------------------------------------
+
+    @translated
+    async def create(self, sid: str, owner: str, metadata: dict[str, Any]) -> StoredEvent:
+        body = event_body(None, {"metadata": metadata})
+        args = p.CreateArgs(owner, repr(time.time()), _enc.encode(metadata).decode(), self.retention, body.decode())
+        res = await self._run(p.CREATE, sid, args)
+        if isinstance(res, p.Exists):
+            raise Conflict(f"session {sid} exists", code="session_exists")
+        self._remember(sid, owner)
+        return made(sid, res.id, res.seq, "session.created", body)
+
+    @translated
+    async def meta(self, sid: str, owner: str) -> dict[str, str]:
+        raw: Any = await self.redis.hgetall(SessionKeys(sid).meta)
+        meta = {k.decode(): v.decode() for k, v in raw.items()}
+        if not meta or meta.get("owner") != owner:
+            raise _missing(sid)
+        return meta
+
+    @translated
+    async def queued(self, sid: str) -> int:
+        return int(await self.redis.llen(SessionKeys(sid).inbox))
+
+    @translated
+    async def submit(
+        self, sid: str, owner: str, message: InboxMessage, *, begin_lease_ms: int | None = None
+    ) -> Submitted:
+        """Record a message with its message.received event and, in the same round trip, its
+        session's job; a repeated message_id returns the first one's ids (and queues the job
+        again: had the first attempt died before its job, the retry repairs it). With
+        `begin_lease_ms`, a message that is alone in the inbox (lease free) has its turn begun
+        in the same script: the Begun comes back too."""
+        body = event_body(message.turn_id, {"message_id": message.message_id, "text": message.text})
+        begin = None
+        have_start, have = self._cached(sid)
+        if begin_lease_ms is not None:
+            begin = p.BeginArgs("", begin_lease_ms, repr(time.time()), self.retention, have_start, len(have))
+        entry = _enc.encode(message).decode()
+        args = p.SubmitArgs(owner, message.message_id, message.turn_id, entry, self.retention, body.decode(), begin)
+        res, job_id = await self._with_job(p.SUBMIT, sid, owner, args)
+        if isinstance(res, p.Duplicate):
+            return Submitted(True, res.turn_id, res.received_id, None, None, job_id)
+        assert isinstance(res, p.New)
+        event = made(sid, res.id, res.seq, "message.received", body)
+        began = self._begun(sid, res.began, have) if res.began is not None else None
+        began_now = began if isinstance(began, Begun) else None
+        return Submitted(False, message.turn_id, event.id, event, began_now, job_id)
+
+    @translated
+    async def enqueue(self, sid: str, owner: str, entry: InboxMessage) -> str:
+        """Queue a compact or clear entry behind the session's turns, with its job in the same
+        round trip. Returns the job id."""
+        _, job_id = await self._with_job(p.ENQUEUE, sid, owner, p.EnqueueArgs(owner, _enc.encode(entry).decode()))
+        return job_id
+
+    @translated
+    async def add_job(self, sid: str) -> str:
+        """Queue a job for the session (it has work: an answer, a cancel). Returns its id."""
+        (job_id,) = await self.wire.call([JobQueue.job(sid)])
+        if isinstance(job_id, Exception):
+            raise job_id
+        return str(job_id.decode())
+
+    async def _with_job(self, script: p.Script[R], sid: str, owner: str, args: msgspec.Struct) -> tuple[R, str]:
+        """Run an owner-checked script and add the session's job, in one round trip. A session
+        this process has not seen is looked up first, so a request for an unknown one writes
+        nothing."""
+        if self._known.get(sid) != owner:
+            if await self.redis.hget(SessionKeys(sid).meta, "owner") != owner.encode():
+                raise _missing(sid)
+            self._remember(sid, owner)
+        keys = script.keys(SessionKeys(sid))
+        raw, job_id = await self.wire.script_with(
+            script.sha, script.source, keys, script.args(args), [JobQueue.job(sid)]
+        )
+        res = script.reply(raw)
+        if isinstance(res, p.Missing):  # sessions are never deleted: only an owner mismatch gets here
+            raise _missing(sid)
+        return res, job_id.decode()
+
+    def _remember(self, sid: str, owner: str) -> None:
+        """Sessions are never deleted, so one seen to exist stays known (a bounded memo)."""
+        if len(self._known) >= KNOWN_MAX:
+            self._known.clear()
+        self._known[sid] = owner
+
+    # ---- turns ---------------------------------------------------------------------------
+
+    @translated
+    async def begin(self, sid: str, fence: str, lease_ms: int) -> Begun | Busy | None:
+        """Take the session for its next turn. None: nothing to do (or no session)."""
+        have_start, have = self._cached(sid)
+        args = p.BeginArgs(fence, lease_ms, repr(time.time()), self.retention, have_start, len(have))
+        return self._begun(sid, await self._run(p.BEGIN, sid, args), have)
+
+    def _cached(self, sid: str) -> tuple[int, list[Item]]:
+        cached = self._cache.get(sid)
+        return (cached[0], cached[1]) if cached is not None else (-1, [])
+
+    def _begun(self, sid: str, res: p.BeginReply, have: list[Item]) -> Begun | Busy | None:
+        """BEGIN's reply (or the one SUBMIT gives when it began the turn), decoded."""
+        if isinstance(res, p.LeaseTaken):
+            return Busy(retry_ms=max(res.retry_ms, 1))
+        if not isinstance(res, p.Began):
+            return None
+        message = inbox_decoder.decode(res.head)
+        items = have if res.reused == len(have) else have[: res.reused]
+        items.extend(item_decoder.decode(raw) for raw in res.items)
+        self._cache.put(sid, res.start, items)
+        started = None
+        if res.started_id:
+            etype = "compaction.requested" if message.kind == "compact" else "turn.started"
+            started = made(sid, res.started_id, res.started_seq, etype, res.started_body.encode())
+        return Begun(
+            fence=str(res.fence),
+            message=message,
+            history=items[: res.n_before],
+            turn_items=items[res.n_before :],
+            sticky=res.sticky,
+            started_id=res.started_id,
+            cancel=res.cancel,
+            answers={rid: answer_decoder.decode(a) if a else None for rid, a in res.decisions.items()},
+            last_in=res.last_in,
+            last_est=res.last_est,
+            started=started,
+        )
+
+    @translated
+    async def commit(
+        self,
+        sid: str,
+        fence: str,
+        turn_id: str,
+        items: Sequence[Item],
+        events: Sequence[tuple[str, bytes]],
+        *,
+        mode: CommitMode = "step",
+        requests: Sequence[ApprovalRequest] = (),
+        answers: Sequence[tuple[str, Answer]] = (),
+        attempt: bool = False,
+        rebase: int | None = None,
+        usage: UsageRecord | None = None,
+    ) -> Committed:
+        """Commit a step (mode "step"), the end of a turn ("final"), or a pause for the
+        approval `requests` ("pause"). `answers` records answers the harness gives itself
+        (withdrawn requests of a cancelled turn). `attempt`: a model call follows; count it now.
+        `rebase`: `items` become the whole active history (compaction, clear), the current
+        turn's items beginning at that offset in them. `usage`: the model call's tokens, written
+        by the same script first (its usage.recorded comes first in `events`; written even if
+        the commit is refused as stale)."""
+        recorded: list[tuple[str, bytes]] = []
+        usage_args = None
+        if usage is not None:
+            body, usage_args = self._usage_args(
+                turn_id, usage.step, usage.usage, failed=False, purpose="turn", estimate=usage.estimate
+            )
+            recorded.append(("usage.recorded", body))
+        resolved: list[tuple[str, bytes]] = []
+        answer_args = []
+        for rid, answer in answers:
+            data = {"request_id": rid, "decision": answer.decision, "reason": answer.reason}
+            resolved.append(("input.resolved", event_body(turn_id, data)))
+            answer_args.append(p.AnswerArg(rid, _enc.encode(answer).decode(), resolved[-1][1].decode()))
+        args = p.CommitArgs(
+            fence=fence,
+            turn_id=turn_id,
+            retention=self.retention,
+            mode=mode,
+            waiting_on=[r.request_id for r in requests] if mode == "pause" else [],
+            attempt=attempt,
+            items=[_enc.encode(item).decode() for item in items],
+            requests=[p.RequestArg(r.request_id, _enc.encode(r).decode()) for r in requests],
+            answers=answer_args,
+            events=[p.EventArg(etype, body.decode()) for etype, body in events],
+            rebase=rebase,
+            usage=usage_args,
+        )
+        res = await self._run(p.COMMIT, sid, args)
+        if isinstance(res, p.Stale):
+            raise StaleLease(f"session {sid}: lease {fence} is no longer held")
+        if rebase is None:
+            self._cache.extend(sid, list(items), res.length)
+        else:
+            self._cache.put(sid, res.length - len(items), list(items))
+        emitted = recorded + [resolved[n] for n in res.resolved] + list(events)
+        return Committed(
+            events=written(sid, res.ids, res.first_seq, emitted),
+            more=isinstance(res, p.More),
+            paused=isinstance(res, p.Paused),
+            cancel=res.cancel,
+        )
+
+    @translated
+    async def record_usage(
+        self,
+        sid: str,
+        turn_id: str,
+        step: int,
+        usage: Usage,
+        *,
+        failed: bool = False,
+        purpose: str = "turn",
+        estimate: int | None = None,
+    ) -> StoredEvent:
+        """Account one provider attempt, before its step commits (I5); a failed attempt too.
+        `estimate`: keel's estimate of the request, kept with its reported input tokens (turn
+        calls only) for compaction's threshold. Returns the usage.recorded event."""
+        body, args = self._usage_args(turn_id, step, usage, failed=failed, purpose=purpose, estimate=estimate)
+        res = await self._run(p.USAGE, sid, p.RecordUsageArgs(self.retention, args))
+        return made(sid, res.id, res.seq, "usage.recorded", body)
+
+    @staticmethod
+    def _usage_args(
+        turn_id: str, step: int, usage: Usage, *, failed: bool, purpose: str, estimate: int | None
+    ) -> tuple[bytes, p.UsageArgs]:
+        """The usage.recorded body and the tokens as a script records them."""
+        data: dict[str, Any] = {
+            "step": step,
+            "input_tokens": usage.input_tokens,
+            "output_tokens": usage.output_tokens,
+            "cached_tokens": usage.cached_tokens,
+        }
+        if failed:
+            data["failed"] = True
+        if purpose != "turn":
+            data["purpose"] = purpose
+        body = event_body(turn_id, data)
+        last_est = None if estimate is None or failed else estimate
+        args = p.UsageArgs(usage.input_tokens, usage.output_tokens, usage.cached_tokens, body.decode(), last_est)
+        return body, args
+
+    @translated
+    async def count_attempt(self, sid: str) -> None:
+        """Count a model call about to be made, when no commit or BEGIN just did."""
+        await self._run(p.ATTEMPT, sid, p.NoArgs())
+
+    @translated
+    async def respond(self, sid: str, owner: str, request_id: str, answer: Answer) -> Responded:
+        data = {"request_id": request_id, "decision": answer.decision, "reason": answer.reason}
+        now = repr(round(time.time(), 6))
+        args = p.RespondArgs(
+            owner, request_id, _enc.encode(answer).decode(), self.retention, now, _enc.encode(data).decode()
+        )
+        res = await self._run(p.RESPOND, sid, args)
+        if isinstance(res, p.Missing):
+            raise _missing(sid)
+        if isinstance(res, p.Unknown):
+            raise NotFound(f"no approval request {request_id} in session {sid}", code="request_not_found")
+        if isinstance(res, p.Answered):
+            return Responded(recorded=False, answer=answer_decoder.decode(res.answer))
+        event = made(sid, res.id, res.seq, "input.resolved", res.body.encode())
+        return Responded(recorded=True, answer=answer, runnable=res.left == 0, event=event)
+
+    @translated
+    async def open_requests(self, sid: str, meta: dict[str, str]) -> list[ApprovalRequest]:
+        """The paused turn's requests that have no answer yet, in the order they were made."""
+        rids = meta.get("waiting_on", "").split()
+        if not rids:
+            return []
+        k = SessionKeys(sid)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hmget(k.pending, rids)
+            pipe.hmget(k.decisions, rids)
+            requests, answers = await pipe.execute()
+        return [request_decoder.decode(r) for r, a in zip(requests, answers, strict=True) if r and not a]
+
+    @translated
+    async def cancel(self, sid: str, owner: str, turn_id: str = "") -> str | None:
+        """Ask the current (or next) turn, or only `turn_id`, to end. Returns the turn id; None
+        if there is no such turn."""
+        res = await self._run(p.CANCEL, sid, p.CancelArgs(owner, turn_id))
+        if isinstance(res, p.Missing):
+            raise _missing(sid)
+        return res.turn_id if isinstance(res, p.Cancelling) else None
+
+    @translated
+    async def renew(self, sid: str, fence: str, lease_ms: int) -> bool:
+        return (await self._run(p.RENEW, sid, p.LeaseArgs(fence, lease_ms))).held
+
+    @translated
+    async def release(self, sid: str, fence: str) -> None:
+        await self._run(p.RELEASE, sid, p.LeaseArgs(fence))
+
+    @translated
+    async def shared_secret(self) -> bytes:
+        """A random secret made by the first process that asks and read by all the others."""
+        await self.redis.set(TOKEN_SECRET, os.urandom(32).hex(), nx=True)
+        secret: Any = await self.redis.get(TOKEN_SECRET)
+        return bytes(secret)
+
+    # ---- reads ---------------------------------------------------------------------------
+
+    @translated
+    async def history(self, sid: str, owner: str, offset: int = 0, limit: int | None = None) -> list[Item]:
+        """Active history from `offset` on, at most `limit` items (all when None)."""
+        meta = await self.meta(sid, owner)
+        first = int(meta["hist_start"]) + offset
+        last = -1 if limit is None else first + limit - 1
+        raw: Any = await self.redis.lrange(SessionKeys(sid).history, first, last)
+        return [item_decoder.decode(r) for r in raw]
+
+    @translated
+    async def events(self, sid: str, after: str, count: int = 200) -> list[StoredEvent]:
+        """Events after stream id `after` ("0-0" = from the start)."""
+        raw: Any = await self.redis.xrange(
+            SessionKeys(sid).outbox, min=f"({after}" if after != "0-0" else "-", count=count
+        )
+        return [envelope(sid, eid, fields) for eid, fields in raw]
