@@ -23,6 +23,7 @@ worker: install
 lint: install
 	$(BIN)/ruff check
 	$(BIN)/ruff format --check
+	$(BIN)/lint-imports
 
 typecheck: install
 	$(BIN)/mypy

@@ -1,0 +1,68 @@
+"""The store's edge: Redis failures leave it as `Unavailable`; what a script writes is what Python
+encoded (no JSON cut or spliced); a rebase of any length commits."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import pytest
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from harness import Agent
+from harness.errors import Unavailable
+from harness.models import ModelReply, ScriptedModel
+from harness.store import Begun, Store, connect
+from harness.types import InboxMessage, Item
+from tests.conftest import free_port
+
+
+def idle_agent() -> Agent:
+    return Agent(instructions="t", model=ScriptedModel(lambda r: ModelReply(text="x")))
+
+
+async def test_a_redis_that_does_not_answer_is_unavailable_never_a_redis_error() -> None:
+    client = connect(f"redis://127.0.0.1:{free_port()}")  # nothing listens there
+    store = Store(client)
+    message = InboxMessage(message_id="m1", turn_id="turn_1", text="hi")
+    calls: list[Any] = [
+        store.ping(),
+        store.create("ses_x", "o", {}),
+        store.submit("ses_x", "o", message),
+        store.begin("ses_x", "", 5_000),
+        store.events("ses_x", "0-0"),
+        store.meta("ses_x", "o"),
+        store.add_job("ses_x"),
+    ]
+    for call in calls:
+        with pytest.raises(Unavailable) as raised:
+            await call
+        assert raised.value.code == "unavailable"
+        assert isinstance(raised.value.__cause__, RedisError | OSError)
+    await store.close()
+    await client.aclose()
+
+
+async def test_the_inbox_holds_the_message_as_python_encoded_it(make_harness: Any, redis: Redis) -> None:
+    h = await make_harness(idle_agent(), run_turns=False)
+    sid = await h.create_session("o")
+    res = await h.submit(sid, "o", 'quote " brace } and é', {"page": "/p/1", "gone": None}, message_id="m-1")
+    (raw,) = await redis.lrange(f"keel:{{{sid}}}:inbox", 0, -1)
+    entry = msgspec.json.decode(raw, type=InboxMessage)
+    assert raw == msgspec.json.encode(entry)  # stored byte for byte, nothing spliced in
+    assert (entry.message_id, entry.turn_id, entry.text) == ("m-1", res.turn_id, 'quote " brace } and é')
+    again = await h.submit(sid, "o", "other text", message_id="m-1")  # the idempotency record names the first
+    assert (again.duplicate, again.turn_id, again.received_id) == (True, res.turn_id, res.received_id)
+
+
+async def test_a_rebase_longer_than_luas_unpack_limit_commits(make_harness: Any) -> None:
+    h = await make_harness(idle_agent(), run_turns=False)
+    sid = await h.create_session("o")
+    await h.submit(sid, "o", "hi")
+    begun = await h.store.begin(sid, "", 5_000)
+    assert isinstance(begun, Begun)
+    items = [Item(id=f"it_{n}", role="user", text=f"item {n}") for n in range(9_000)]
+    await h.store.commit(sid, begun.fence, begun.message.turn_id, items, [], rebase=len(items))
+    history = await h.history(sid, "o")
+    assert [i.id for i in history] == [i.id for i in items]
