@@ -17,8 +17,8 @@ from harness import failpoints
 from harness.agent import Agent
 from harness.compaction import Compactor
 from harness.events import event_body
+from harness.outcomes import Final, Publish
 from harness.store import Begun, Store
-from harness.turn import Final, Publish
 from harness.types import Item
 
 

@@ -19,8 +19,9 @@ from harness.aio import cancel_and_wait
 from harness.errors import StaleLease
 from harness.ids import stream_key
 from harness.ops import OpRunner
+from harness.outcomes import Final, Publish
 from harness.store import Begun, Busy, JobQueue, Store
-from harness.turn import Final, Publish, TurnRunner
+from harness.turn import TurnRunner
 
 log = logging.getLogger("keel.runner")
 COVERED_MAX = 50_000  # sessions remembered as covered; past that the memo restarts (costs a BEGIN)

@@ -10,65 +10,26 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
-
-import msgspec
 
 from harness import failpoints
 from harness.agent import Agent
 from harness.compaction import Compactor, split
 from harness.errors import CallbackError, StaleLease
-from harness.events import StoredEvent, event_body
+from harness.events import event_body
 from harness.ids import new_id
 from harness.models.base import ModelReply, ModelRequest
 from harness.models.tokens import request_tokens
+from harness.outcomes import Cancel, Final, Outcome, Paused, Publish, RunTools, StepOutcome
 from harness.prompt import assemble, new_input, user_item
 from harness.runtime import changed, newest_snapshot, snapshot_item
 from harness.store import Begun, CommitMode, Committed, Store, UsageRecord
+from harness.toolcalls import needs_approval, request_id, result_item, run_call
 from harness.tools import ToolContext
 from harness.types import Answer, ApprovalRequest, Item, ToolCall, Usage
 
 log = logging.getLogger("keel.turn")
-_enc = msgspec.json.Encoder()
-# Called after each write: (session id, the events it wrote, whether it settled the turn).
-Publish = Callable[[str, list[StoredEvent], bool], None]
-
-
-@dataclass(frozen=True)
-class Final:
-    """The turn ended; `more` says whether another message is already waiting."""
-
-    more: bool
-
-
-@dataclass(frozen=True)
-class Paused:
-    """The turn waits for answers to approval requests; the lease is released."""
-
-
-@dataclass(frozen=True)
-class RunTools:
-    item: Item  # the committed assistant item whose calls must now run
-
-
-@dataclass(frozen=True)
-class Cancel:
-    """A cancel was asked for this turn: end it now."""
-
-
-Outcome = Final | Paused
-StepOutcome = Final | Paused | RunTools | Cancel
-
-
 _APPROVED = Answer("approve")
-
-
-def request_id(call_id: str) -> str:
-    """A call's approval request id: derived from the committed call id, so it is the same
-    after any crash or retry (I2, I3)."""
-    return f"req_{call_id}"
 
 
 class TurnRunner:
@@ -236,7 +197,7 @@ class TurnRunner:
         events: list[tuple[str, bytes]] = []
         if reply.text:
             events.append(self._event("message.completed", {"item_id": item.id, "text": reply.text}))
-        gated = [c for c in calls if self._needs_approval(c)]
+        gated = [c for c in calls if needs_approval(self.agent.tools, c)]
         requests = [
             ApprovalRequest(request_id(c.id or ""), c.id or "", c.name, c.arguments, self.turn_id) for c in gated
         ]
@@ -266,16 +227,6 @@ class TurnRunner:
             return Paused()
         return RunTools(item)
 
-    def _needs_approval(self, call: ToolCall) -> bool:
-        tool = self.agent.tools.get(call.name)
-        if tool is None:
-            return False  # answered with an error result; nothing runs
-        try:
-            return tool.needs_approval(call.arguments)
-        except Exception:
-            log.warning("approval check of %s failed; asking a person", call.name, exc_info=True)
-            return True  # when in doubt, ask
-
     # ---- tools -------------------------------------------------------------------------
 
     async def _run_tools(self, item: Item) -> Final | Paused | Cancel | None:
@@ -298,18 +249,10 @@ class TurnRunner:
                 why = f": {answer.reason}" if answer.reason else ""
                 text, is_error = f"error: a person denied this call{why}", True
             else:
-                text, is_error = await self._invoke(call)
+                context = ToolContext(self.sid, self.turn_id, call.id or "")
+                text, is_error = await run_call(self.agent.tools, call, context)
                 failpoints.reached("tool.after_run")
-            result = Item(
-                id=f"it_{call.id}_r",
-                role="tool",
-                text=text,
-                kind="tool_result",
-                turn_id=self.turn_id,
-                tool_call_id=call.id,
-                tool_name=call.name,
-                is_error=is_error,
-            )
+            result = result_item(self.turn_id, call, text, is_error=is_error)
             data = {"call_id": call.id, "tool": call.name, "result": text, "is_error": is_error}
             # the last result of the step counts the model call that follows it (if one does)
             model_next = call is todo[-1] and self._step() < self.agent.max_steps
@@ -320,20 +263,6 @@ class TurnRunner:
             self.attempt_counted = model_next
         self._reread = bool(self.agent.runtime)
         return None
-
-    async def _invoke(self, call: ToolCall) -> tuple[str, bool]:
-        tool = self.agent.tools.get(call.name)
-        if tool is None:
-            return f"error: there is no tool named {call.name!r}", True
-        try:
-            value = await tool.invoke(call.arguments, ToolContext(self.sid, self.turn_id, call.id or ""))
-        except asyncio.CancelledError:
-            raise
-        except msgspec.ValidationError as exc:
-            return f"error: invalid arguments for {call.name}: {exc}", True
-        except Exception as exc:
-            return f"error: {type(exc).__name__}: {exc}", True
-        return _result_text(value), False
 
     def _tool_started(self, calls: tuple[ToolCall, ...] | list[ToolCall]) -> list[tuple[str, bytes]]:
         return [self._event("tool.started", {"call_id": c.id, "tool": c.name, "arguments": c.arguments}) for c in calls]
@@ -361,16 +290,7 @@ class TurnRunner:
             for call in pending.tool_calls:
                 if call.id not in done:
                     items.append(
-                        Item(
-                            id=f"it_{call.id}_r",
-                            role="tool",
-                            text="error: the turn was cancelled; not run",
-                            kind="tool_result",
-                            turn_id=self.turn_id,
-                            tool_call_id=call.id,
-                            tool_name=call.name,
-                            is_error=True,
-                        )
+                        result_item(self.turn_id, call, "error: the turn was cancelled; not run", is_error=True)
                     )
         events.append(self._event("turn.cancelled", {"message_id": self.message.message_id}))
         committed = await self._commit(items, events, mode="final", answers=withdrawn)
@@ -414,14 +334,3 @@ class TurnRunner:
 
     def _event(self, etype: str, data: dict[str, Any]) -> tuple[str, bytes]:
         return etype, event_body(self.turn_id, data)
-
-
-def _result_text(value: Any) -> str:
-    if value is None:
-        return ""
-    if isinstance(value, str):
-        return value
-    try:
-        return _enc.encode(value).decode()
-    except TypeError:
-        return str(value)
