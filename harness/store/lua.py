@@ -26,18 +26,17 @@ from __future__ import annotations
 
 # Shared helpers, put in front of the scripts that use them.
 # `reply`: the script's answer. `owns`: whether the session exists and belongs to `owner` (an
-# unknown session and another owner's look the same: 'missing'). `map_of`: a flat HGETALL-style
-# list as a map (nil when empty: MessagePack has no empty map in Lua, whose {} packs as a list).
+# unknown session and another owner's look the same: 'missing'). `pairs_of`: a flat
+# HGETALL-style list as [key, value] pairs, in its order (a Lua table as a map loses the order).
 _COMMON = """
 local function reply(t) return cmsgpack.pack(t) end
 local function owns(owner)
   local found = redis.call('HGET', K.meta, 'owner')
   return found ~= false and found == owner
 end
-local function map_of(flat)
-  if #flat == 0 then return nil end
+local function pairs_of(flat)
   local t = {}
-  for i = 1, #flat, 2 do t[flat[i]] = flat[i + 1] end
+  for i = 1, #flat, 2 do t[#t + 1] = {flat[i], flat[i + 1]} end
   return t
 end
 """
@@ -162,8 +161,8 @@ local function begin_turn(B)
   out.start = start
   out.reused = from - start
   out.items = redis.call('LRANGE', K.history, from, -1)
-  out.sticky = map_of(redis.call('HGETALL', K.sticky))
-  out.decisions = map_of(decisions)
+  out.sticky = pairs_of(redis.call('HGETALL', K.sticky))
+  out.decisions = pairs_of(decisions)
   out.last_in = tonumber(meta[9]) or 0
   out.last_est = tonumber(meta[10]) or 0
   return out
@@ -183,7 +182,7 @@ SUBMIT = (
 if not owns(A.owner) then return reply({tag = 'missing'}) end
 local prev = redis.call('HGET', K.mids, A.message_id)
 if prev then
-  local turn_id, received_id = string.match(prev, '^(%S+) (%S+)$')
+  local turn_id, received_id = string.match(prev, '^(.*) (%S+)$')
   return reply({tag = 'dup', turn_id = turn_id, received_id = received_id})
 end
 local id = emit(A.retention, 'message.received', A.body)

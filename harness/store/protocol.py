@@ -101,12 +101,12 @@ class Began(Reply, tag="ok"):
     start: int  # where the active history starts in the list
     reused: int  # how many of the caller's cached items are still good
     items: list[str] = []  # the active history from `reused` on
-    sticky: dict[str, str] = {}
+    sticky: list[tuple[str, str]] = []  # (key, text), as HGETALL gives them
     started_id: str = ""  # the turn.started (or compaction.requested) this BEGIN wrote
     started_seq: int = 0
     started_body: str = ""
     cancel: bool = False
-    decisions: dict[str, str] = {}  # the paused step's requests -> their answers ("" = none)
+    decisions: list[tuple[str, str]] = []  # the paused step's requests in order, their answers ("" = none)
     last_in: int = 0
     last_est: int = 0
 

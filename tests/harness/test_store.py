@@ -3,6 +3,7 @@ encoded (no JSON cut or spliced); a rebase of any length commits."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import msgspec
@@ -10,9 +11,10 @@ import pytest
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from harness import Agent
+from harness import Agent, tool
 from harness.errors import Unavailable
-from harness.models import ModelReply, ScriptedModel
+from harness.events import StoredEvent
+from harness.models import ModelReply, ModelRequest, ScriptedModel, ToolCall
 from harness.store import Begun, Store, connect
 from harness.types import InboxMessage, Item
 from tests.conftest import free_port
@@ -66,3 +68,31 @@ async def test_a_rebase_longer_than_luas_unpack_limit_commits(make_harness: Any)
     await h.store.commit(sid, begun.fence, begun.message.turn_id, items, [], rebase=len(items))
     history = await h.history(sid, "o")
     assert [i.id for i in history] == [i.id for i in items]
+
+
+async def test_a_cancelled_pause_withdraws_its_requests_in_the_order_they_were_made(make_harness: Any) -> None:
+    @tool(approval=True)
+    def delete(path: str) -> str:
+        """Delete a file."""
+        return f"deleted {path}"
+
+    def script(r: ModelRequest) -> ModelReply:
+        if r.messages[-1].role == "user":
+            return ModelReply(tool_calls=[ToolCall("delete", {"path": f"/{n}"}) for n in range(6)])
+        return ModelReply(text="ok")
+
+    h = await make_harness(Agent(instructions="t", tools=[delete], model=ScriptedModel(script)))
+    sid = await h.create_session("o")
+    submitted = await h.submit(sid, "o", "delete them")
+    turn = await h.wait_turn(submitted, 10)
+    asked = [q["request_id"] for q in turn.events[-1]["data"]["requests"]]
+    assert turn.status == "waiting" and len(asked) == 6
+    await h.cancel(sid, "o")
+    withdrawn = []
+    async with asyncio.timeout(10):
+        async for event in h.tail(sid, "0-0", heartbeat=1.0):
+            if isinstance(event, StoredEvent) and event.type == "input.resolved":
+                withdrawn.append(msgspec.json.decode(event.raw)["data"]["request_id"])
+            if isinstance(event, StoredEvent) and event.type == "turn.cancelled":
+                break
+    assert withdrawn == asked
