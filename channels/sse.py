@@ -13,6 +13,7 @@ from starlette.responses import Response, StreamingResponse
 
 from channels.http import harness_of, owner_of
 from harness import failpoints
+from harness.events import LiveEvent
 from harness.ids import stream_key
 from harness.service import check_event_id
 
@@ -33,6 +34,8 @@ async def stream_events(request: Request) -> Response:
         async for event in harness.tail(sid, after, heartbeat=heartbeat):
             if event is None:
                 yield b": keep-alive\n\n"
+            elif isinstance(event, LiveEvent):  # transient: no id, so Last-Event-ID stays put
+                yield b"event: %s\ndata: %s\n\n" % (event.type.encode(), event.raw)
             else:
                 yield b"id: %s\nevent: %s\ndata: %s\n\n" % (event.id.encode(), event.type.encode(), event.raw)
                 failpoints.reached("outbox.after_publish")

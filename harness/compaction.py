@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 import msgspec
 
-from harness.models.base import Model, ModelRequest
+from harness.models.base import Model, ModelRequest, complete
 from harness.models.tokens import estimate_tokens, item_tokens, items_tokens, request_tokens
 from harness.runtime import newest_snapshot
 from harness.store import Store
@@ -186,7 +186,7 @@ class Compactor:
         )
         await self.store.count_attempt(self.sid)
         try:
-            reply = await self.model.complete(request)
+            reply = await complete(self.model, request)
         except Exception as exc:
             log.warning("session %s: compaction model failed: %s", self.sid, type(exc).__name__)
             await self.store.record_usage(self.sid, self.turn_id, step, Usage(), failed=True, purpose="compaction")

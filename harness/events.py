@@ -24,10 +24,54 @@ def event_body(turn_id: str | None, data: dict[str, Any], at: float | None = Non
 
 
 class StoredEvent(NamedTuple):
+    """A committed event: in the session's outbox stream under `id`, replayed on resume."""
+
     id: str
     type: str
     raw: bytes  # the envelope as JSON, byte-identical on every delivery
     seq: int  # the per-session counter: consecutive, so a gap shows
+
+
+class LiveEvent(NamedTuple):
+    """A transient event (`message.delta`): handed to the readers connected now, in every
+    process, never stored or replayed; it has no id and no seq. `item_id`: the item it is part of."""
+
+    type: str
+    raw: bytes
+    item_id: str
+
+
+def delta(sid: str, turn_id: str, item_id: str, text: str, offset: int) -> LiveEvent:
+    """A piece of a reply's text: `offset` is where it starts in the item's text (characters)."""
+    body = event_body(turn_id, {"item_id": item_id, "delta": text, "offset": offset})
+    return LiveEvent(
+        "message.delta", b'{"type":"message.delta","session_id":' + _enc.encode(sid) + b"," + body, item_id
+    )
+
+
+class _Part(msgspec.Struct):
+    item_id: str = ""
+
+
+class _Live(msgspec.Struct):
+    type: str
+    data: _Part
+
+
+_live_dec = msgspec.json.Decoder(_Live)
+
+
+def live_event(raw: bytes) -> LiveEvent:
+    """A live event as another process sent it (its envelope, as `delta` made it)."""
+    head = _live_dec.decode(raw)
+    return LiveEvent(head.type, raw, head.data.item_id)
+
+
+def completed_item(event: StoredEvent) -> str | None:
+    """The item a message.completed event completes (None for any other event)."""
+    if event.type != "message.completed":
+        return None
+    return _live_dec.decode(event.raw).data.item_id
 
 
 def envelope(sid: str, eid: bytes, fields: dict[bytes, bytes]) -> StoredEvent:

@@ -5,12 +5,23 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
-from harness.events import StoredEvent
+from harness.events import LiveEvent, StoredEvent
 from harness.types import Item
 
 # Called after each write: (session id, the events it wrote, whether it settled the turn).
 Publish = Callable[[str, list[StoredEvent], bool], None]
+
+
+class Live(Protocol):
+    """Where a turn's transient events go (a reply's text as it streams)."""
+
+    def live(self, sid: str, event: LiveEvent) -> None: ...
+
+    async def flush_live(self) -> None:
+        """Return once the live events handed over so far have left for other processes (a
+        commit follows: their readers get them before they hear of the commit)."""
 
 
 @dataclass(frozen=True)

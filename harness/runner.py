@@ -19,7 +19,7 @@ from harness.aio import cancel_and_wait
 from harness.errors import StaleLease
 from harness.ids import stream_key
 from harness.ops import OpRunner
-from harness.outcomes import Final, Publish
+from harness.outcomes import Final, Live, Publish
 from harness.store import Begun, Busy, JobQueue, Store
 from harness.turn import TurnRunner
 
@@ -44,6 +44,7 @@ class Runner:
         agent: Agent,
         publish: Publish,
         *,
+        live: Live | None = None,
         on_idle: Callable[[], None] = lambda: None,
         concurrency: int = 64,
         lease_ms: int = 5_000,
@@ -53,6 +54,7 @@ class Runner:
         self.queue = queue
         self.agent = agent
         self.publish = publish
+        self.live = live
         self._on_idle = on_idle  # a session stopped running here
         self.lease_ms = lease_ms
         self.block_ms = block_ms
@@ -284,7 +286,7 @@ class Runner:
         renewal = Renewal(self.store, sid, begun.fence, self.lease_ms)
         try:
             if begun.message.kind == "message":
-                outcome = await TurnRunner(self.store, self.agent, sid, begun, self.publish).run()
+                outcome = await TurnRunner(self.store, self.agent, sid, begun, self.publish, live=self.live).run()
             else:
                 outcome = await OpRunner(self.store, self.agent, sid, begun, self.publish).run()
         finally:

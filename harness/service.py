@@ -12,7 +12,7 @@ from harness import failpoints
 from harness.agent import Agent
 from harness.context import split_context
 from harness.errors import Conflict, InvalidInput, NotFound
-from harness.events import StoredEvent, decode_data
+from harness.events import LiveEvent, StoredEvent, decode_data
 from harness.ids import new_id, stream_key
 from harness.runner import Runner
 from harness.store import EventHub, JobQueue, Outbox, Redis, Responded, Store, Submitted, Watch, connect
@@ -80,6 +80,7 @@ class Harness:
                 self.queue,
                 agent,
                 self._published,
+                live=self.hub,
                 on_idle=self.hub.poke,
                 concurrency=concurrency,
                 lease_ms=lease_ms,
@@ -278,9 +279,9 @@ class Harness:
 
     async def tail(
         self, sid: str, after: str, *, heartbeat: float, gate: asyncio.Semaphore | None = None
-    ) -> AsyncIterator[StoredEvent | None]:
-        """Events after `after`, then live ones, forever (`Outbox.tail`). The caller checks
-        ownership first."""
+    ) -> AsyncIterator[StoredEvent | LiveEvent | None]:
+        """Committed events after `after`, then new ones as they come, with live events
+        (`Outbox.tail`). The caller checks ownership first."""
         async for event in self.outbox.tail(sid, after, heartbeat=heartbeat, gate=gate):
             yield event
 

@@ -16,11 +16,11 @@ from harness import failpoints
 from harness.agent import Agent
 from harness.compaction import Compactor, split
 from harness.errors import CallbackError, StaleLease
-from harness.events import event_body
+from harness.events import delta, event_body
 from harness.ids import new_id
-from harness.models.base import ModelReply, ModelRequest
+from harness.models.base import ModelReply, ModelRequest, TextDelta
 from harness.models.tokens import request_tokens
-from harness.outcomes import Cancel, Final, Outcome, Paused, Publish, RunTools, StepOutcome
+from harness.outcomes import Cancel, Final, Live, Outcome, Paused, Publish, RunTools, StepOutcome
 from harness.prompt import assemble, new_input, user_item
 from harness.runtime import changed, newest_snapshot, snapshot_item
 from harness.store import Begun, CommitMode, Committed, Store, UsageRecord
@@ -35,7 +35,9 @@ _APPROVED = Answer("approve")
 class TurnRunner:
     """Runs the turn a runner has begun. Holds nothing between turns."""
 
-    def __init__(self, store: Store, agent: Agent, sid: str, begun: Begun, publish: Publish) -> None:
+    def __init__(
+        self, store: Store, agent: Agent, sid: str, begun: Begun, publish: Publish, *, live: Live | None = None
+    ) -> None:
         self.store = store
         self.agent = agent
         self.sid = sid
@@ -53,6 +55,7 @@ class TurnRunner:
         self._reread = False  # a step ran tools: read the runtime context again before the next call
         self.last_in, self.last_est = begun.last_in, begun.last_est
         self._publish = publish
+        self._live = live
         # requests of this turn with no answer: those BEGIN found, and any this run commits
         self.open_requests = [rid for rid, answer in begun.answers.items() if answer is None]
         # the next model call is already counted (a fresh turn's BEGIN counts its first one)
@@ -109,8 +112,9 @@ class TurnRunner:
         if not self.attempt_counted:
             await self.store.count_attempt(self.sid)  # before the call: a reply lost in a crash still counts
         self.attempt_counted = False
+        item_id = new_id("it")
         try:
-            reply = await self.agent.model.complete(request)
+            reply = await self._stream(request, item_id)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -129,7 +133,25 @@ class TurnRunner:
             record = None
         if estimate is not None:
             self.last_in, self.last_est = usage.input_tokens, estimate
-        return await self._commit_reply(reply, record)
+        return await self._commit_reply(reply, record, item_id)
+
+    async def _stream(self, request: ModelRequest, item_id: str) -> ModelReply:
+        """The model's reply; its text, as it streams, goes out as message.delta events of the
+        item `item_id` (the assistant item the step commits)."""
+        reply: ModelReply | None = None
+        offset = 0
+        async for event in self.agent.model.stream(request):
+            if isinstance(event, TextDelta):
+                if event.text and self._live is not None:
+                    self._live.live(self.sid, delta(self.sid, self.turn_id, item_id, event.text, offset))
+                offset += len(event.text)
+            else:
+                reply = event
+        if reply is None:
+            raise RuntimeError("the model's stream ended without a reply")
+        if offset and self._live is not None:
+            await self._live.flush_live()
+        return reply
 
     async def _request(self, step: int) -> ModelRequest:
         return await assemble(
@@ -187,11 +209,11 @@ class TurnRunner:
         """The turn's durable input before its user item: the runtime snapshot, if any."""
         return [self.snapshot] if self.snapshot is not None else []
 
-    async def _commit_reply(self, reply: ModelReply, usage: UsageRecord | None) -> StepOutcome:
+    async def _commit_reply(self, reply: ModelReply, usage: UsageRecord | None, item_id: str) -> StepOutcome:
         # keel's own call ids, always: a provider's may repeat (call_0 in every response), and the
         # id is the request id's root and the tools' idempotency key.
         calls = tuple(ToolCall(c.name, c.arguments, new_id("call")) for c in reply.tool_calls)
-        item = Item(id=new_id("it"), role="assistant", text=reply.text, turn_id=self.turn_id, tool_calls=calls)
+        item = Item(id=item_id, role="assistant", text=reply.text, turn_id=self.turn_id, tool_calls=calls)
         items = [] if self.user_committed else [*self._head(), user_item(self.message)]
         items.append(item)
         events: list[tuple[str, bytes]] = []

@@ -76,6 +76,7 @@
     const seen = new Set(); // event ids shown
     const unacked = new Map(); // message_id -> frame, until its message.received arrives
     const nodes = new Map(); // item/call/request id -> element
+    const completed = new Set(); // items whose message.completed came (their deltas are late)
     let lastId = null;
     let socket = null;
     let retry = 500;
@@ -137,6 +138,8 @@
           seen.add(frame.id);
           lastId = frame.id;
           render(frame);
+        } else if (frame.type === "message.delta") {
+          render(frame); // transient, no id: never counted as seen, never a resume point
         } else if (frame.type === "error") {
           add(el("div", "keel-error", frame.error.message));
         }
@@ -182,12 +185,23 @@
           think(true);
           break;
         case "message.delta": {
+          // transient: appended only where it continues the text (offset, in code points);
+          // the committed message.completed replaces it, and later deltas of it are ignored
+          if (completed.has(d.item_id)) break;
           let node = nodes.get(d.item_id);
-          if (!node) node = nodes.set(d.item_id, add(el("div", "keel-msg keel-assistant", ""), ev.id)).get(d.item_id);
-          node.textContent += d.text || "";
+          if (!node) {
+            node = add(el("div", "keel-msg keel-assistant", ""), null);
+            node.keelLength = 0;
+            nodes.set(d.item_id, node);
+          }
+          if (d.offset === node.keelLength) {
+            node.textContent += d.delta;
+            node.keelLength += [...d.delta].length;
+          }
           break;
         }
         case "message.completed": {
+          completed.add(d.item_id);
           const node = nodes.get(d.item_id);
           if (node) node.textContent = d.text;
           else nodes.set(d.item_id, add(el("div", "keel-msg keel-assistant", d.text), ev.id));

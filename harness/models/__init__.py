@@ -1,6 +1,6 @@
 """Model port and implementations."""
 
-from harness.models.base import Model, ModelReply, ModelRequest, ToolSpec
+from harness.models.base import Model, ModelEvent, ModelReply, ModelRequest, TextDelta, ToolSpec, complete
 from harness.models.caching import CachingScriptedModel
 from harness.models.scripted import ScriptedModel
 from harness.types import Item, ToolCall, Usage
@@ -9,10 +9,13 @@ __all__ = [
     "CachingScriptedModel",
     "Item",
     "Model",
+    "ModelEvent",
     "ModelReply",
     "ModelRequest",
     "ScriptedModel",
+    "TextDelta",
     "ToolCall",
     "ToolSpec",
     "Usage",
+    "complete",
 ]

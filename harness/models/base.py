@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import Any, Protocol, runtime_checkable
 
 import msgspec
@@ -42,8 +43,30 @@ class ModelReply(msgspec.Struct, frozen=True):
     usage: Usage | None = None
 
 
+class TextDelta(msgspec.Struct, frozen=True):
+    """A piece of the reply's text, as the provider generates it."""
+
+    text: str
+
+
+ModelEvent = TextDelta | ModelReply
+
+
 @runtime_checkable
 class Model(Protocol):
-    """A language model. Implementations: ScriptedModel (tests, demo); provider adapters later."""
+    """A language model. `stream` yields the reply's text as it is generated (any number of
+    `TextDelta`s, possibly none), then the whole `ModelReply`, last. Implementations:
+    ScriptedModel and CachingScriptedModel (tests, demo); provider adapters."""
 
-    async def complete(self, request: ModelRequest) -> ModelReply: ...
+    def stream(self, request: ModelRequest) -> AsyncIterator[ModelEvent]: ...
+
+
+async def complete(model: Model, request: ModelRequest) -> ModelReply:
+    """The reply, for callers that show no deltas (a summary call): the stream drained."""
+    reply: ModelReply | None = None
+    async for event in model.stream(request):
+        if isinstance(event, ModelReply):
+            reply = event
+    if reply is None:
+        raise RuntimeError(f"{type(model).__name__}.stream ended without a ModelReply")
+    return reply

@@ -37,8 +37,8 @@ class CachingScriptedModel(ScriptedModel):
         self._roots: dict[str, _Node] = {}  # session id -> trie of the block sequences seen
         self.prefixes: list[bytes] = []
 
-    async def complete(self, request: ModelRequest) -> ModelReply:
-        reply = await super().complete(request)
+    async def reply(self, request: ModelRequest) -> ModelReply:
+        reply = await super().reply(request)
         head = _enc.encode((request.system, request.tools))
         if request.purpose == "turn":
             self.prefixes.append(head)

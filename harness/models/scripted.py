@@ -4,9 +4,9 @@ model port, shipped in the package so apps and tests use the same one."""
 from __future__ import annotations
 
 import inspect
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
-from harness.models.base import ModelReply, ModelRequest
+from harness.models.base import ModelEvent, ModelReply, ModelRequest, TextDelta, complete
 from harness.models.tokens import estimate_tokens, request_tokens
 from harness.types import Usage
 
@@ -16,14 +16,27 @@ ScriptFn = Callable[[ModelRequest], ModelReply | Awaitable[ModelReply]]
 class ScriptedModel:
     """`fn(request) -> ModelReply`, sync or async. Requests are kept in `.requests` (the last
     `keep` of them; all when None) so a test can assert what the model was shown. A reply
-    without usage gets an estimate."""
+    without usage gets an estimate. With `chunk=n` the reply's text is streamed first, `n`
+    characters a delta (by default it comes whole, as one reply with no deltas)."""
 
-    def __init__(self, fn: ScriptFn, *, keep: int | None = None) -> None:
+    def __init__(self, fn: ScriptFn, *, keep: int | None = None, chunk: int | None = None) -> None:
         self._fn = fn
         self._keep = keep
+        self._chunk = chunk
         self.requests: list[ModelRequest] = []
 
+    async def stream(self, request: ModelRequest) -> AsyncIterator[ModelEvent]:
+        reply = await self.reply(request)
+        if self._chunk:
+            for start in range(0, len(reply.text), self._chunk):
+                yield TextDelta(reply.text[start : start + self._chunk])
+        yield reply
+
     async def complete(self, request: ModelRequest) -> ModelReply:
+        """The reply, drained from `stream`."""
+        return await complete(self, request)
+
+    async def reply(self, request: ModelRequest) -> ModelReply:
         self.requests.append(request)
         if self._keep is not None and len(self.requests) > self._keep:
             del self.requests[: len(self.requests) - self._keep]

@@ -1,5 +1,6 @@
 """Wakes readers of a session's outbox when new events are committed, and hands them the events
-this process committed.
+this process committed and the live (transient) events of the session, from this process or,
+through the `LiveRelay`, from the one running the turn.
 
 Commits made in this process are published here with the events they wrote (byte for byte what
 a read of the outbox returns); a single background poller notices commits made by other
@@ -19,9 +20,10 @@ from typing import Any
 from redis.asyncio import Redis
 
 from harness.aio import cancel_and_wait
-from harness.events import StoredEvent
+from harness.events import LiveEvent, StoredEvent
 from harness.ids import stream_key
 from harness.store.keys import SessionKeys, session_of
+from harness.store.live import LiveRelay
 
 log = logging.getLogger("keel.hub")
 
@@ -31,11 +33,14 @@ def _never(sid: str) -> bool:
 
 
 PUSHED_MAX = 512  # events a watch holds for its reader; past that it reads the stream instead
+LIVE_MAX = 1024  # live events a watch holds for a reader that does not take them; older ones go
 
 
 class Watch:
     def __init__(self, after: str | None, *, settled_only: bool = False) -> None:
         self._woken = False  # woken since its reader last waited
+        self._news = False  # ... by a commit (not only by live events): the reader reads
+        self._live: list[LiveEvent] = []
         self._waiter: asyncio.Future[bool] | None = None
         self.seen = after  # the newest event id its reader has read (None: not known yet)
         self.last_seq: int | None = None  # ... and its seq (None: not known: read the stream)
@@ -44,6 +49,25 @@ class Watch:
         self._overflow = False
 
     def wake(self) -> None:
+        """Something was committed: the reader should read."""
+        self._news = True
+        self._signal()
+
+    def push_live(self, event: LiveEvent) -> None:
+        if len(self._live) >= LIVE_MAX:
+            del self._live[: LIVE_MAX // 2]
+        self._live.append(event)
+        self._signal()
+
+    def take_live(self) -> list[LiveEvent]:
+        live, self._live = self._live, []
+        return live
+
+    def take_news(self) -> bool:
+        news, self._news = self._news, False
+        return news
+
+    def _signal(self) -> None:
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(True)
@@ -112,6 +136,7 @@ class EventHub:
         self._last: dict[str, str] = {}
         self._task: asyncio.Task[None] | None = None
         self._followed = asyncio.Event()  # set when a session gets a position to poll from
+        self._relay = LiveRelay(redis, self._arrived) if redis is not None else None
 
     def publish(self, sid: str, events: list[StoredEvent], *, settled: bool = True) -> None:
         """This process committed `events` (`settled`: a commit that ended a turn): hand them to
@@ -129,6 +154,22 @@ class EventHub:
         if event_id is not None and last is not None and stream_key(event_id) > stream_key(last):
             self._last[sid] = event_id
 
+    def live(self, sid: str, event: LiveEvent) -> None:
+        """A turn this process runs produced a live event: to the session's readers here, and
+        to those of other processes."""
+        self._arrived(sid, event)
+        if self._relay is not None:
+            self._relay.send(sid, event)
+
+    async def flush_live(self) -> None:
+        if self._relay is not None:
+            await self._relay.flush()
+
+    def _arrived(self, sid: str, event: LiveEvent) -> None:
+        for w in self._watches.get(sid, ()):
+            if not w.settled_only:
+                w.push_live(event)
+
     @contextlib.asynccontextmanager
     async def watch(self, sid: str, after: str | None, *, settled_only: bool = False) -> AsyncIterator[Watch]:
         """Wake-ups for events after `after`, the id the caller has read up to. The poller
@@ -140,9 +181,14 @@ class EventHub:
         self._watches.setdefault(sid, set()).add(w)
         if after is not None:
             self.follow(sid, w, after)
+        relay = None if settled_only else self._relay  # (a turn's waiter wants no live events)
         try:
+            if relay is not None:
+                await relay.follow(sid)
             yield w
         finally:
+            if relay is not None:
+                relay.unfollow(sid)
             ws = self._watches.get(sid)
             if ws is not None:
                 ws.discard(w)
@@ -164,11 +210,15 @@ class EventHub:
     def start(self) -> None:
         if self._redis is not None and self._task is None:
             self._task = asyncio.create_task(self._poll(), name="keel-hub-poller")
+        if self._relay is not None:
+            self._relay.start()
 
     async def stop(self) -> None:
         if self._task is not None:
             await cancel_and_wait([self._task])
             self._task = None
+        if self._relay is not None:
+            await self._relay.stop()
 
     async def _poll(self) -> None:
         assert self._redis is not None

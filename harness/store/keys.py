@@ -12,7 +12,19 @@ TOKEN_SECRET = f"{PREFIX}:{{config}}:token-secret"  # string: made once, shared 
 class SessionKeys:
     """The keys of one session, built once per use."""
 
-    __slots__ = ("decisions", "history", "inbox", "lease", "meta", "mids", "outbox", "pending", "sid", "sticky")
+    __slots__ = (
+        "decisions",
+        "history",
+        "inbox",
+        "lease",
+        "live",
+        "meta",
+        "mids",
+        "outbox",
+        "pending",
+        "sid",
+        "sticky",
+    )
 
     def __init__(self, sid: str) -> None:
         base = f"{PREFIX}:{{{sid}}}:"
@@ -26,6 +38,7 @@ class SessionKeys:
         self.lease = base + "lease"  # string: fencing token of the runner that owns the session
         self.pending = base + "pending"  # hash: request_id -> the approval request (never rewritten)
         self.decisions = base + "decisions"  # hash: request_id -> the answer to it
+        self.live = base + "live"  # pub/sub channel: transient events (message.delta), never stored
 
 
 def session_of(key: str) -> str:

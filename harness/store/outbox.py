@@ -6,13 +6,15 @@ which is always the truth."""
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import AsyncIterator
 
-from harness.events import StoredEvent
+from harness.events import LiveEvent, StoredEvent, completed_item
 from harness.store.hub import EventHub, Watch
 from harness.store.sessions import Store
 
 BATCH = 200  # events read from the stream at once
+COMPLETED_KEPT = 32  # items a reader remembers as completed, to drop their late live events
 
 
 class Outbox:
@@ -32,25 +34,51 @@ class Outbox:
 
     async def tail(
         self, sid: str, after: str, *, heartbeat: float, gate: asyncio.Semaphore | None = None
-    ) -> AsyncIterator[StoredEvent | None]:
-        """Events after `after`, then live ones, forever. Yields None after `heartbeat` seconds
-        without an event (for keep-alives). The caller checks ownership first. `gate` bounds how
-        many readers do their first (replay) read at once."""
+    ) -> AsyncIterator[StoredEvent | LiveEvent | None]:
+        """Events after `after`, then live ones, forever, with the session's live events
+        (`message.delta`) as they come, except those of an item whose message.completed this
+        reader has had. Yields None after `heartbeat` seconds without an event (for
+        keep-alives). The caller checks ownership first. `gate` bounds how many readers do their
+        first (replay) read at once."""
+        completed: deque[str] = deque(maxlen=COMPLETED_KEPT)
         async with self.hub.watch(sid, after) as watch:
+            read = True
             if gate is not None:
                 async with gate:
                     first = await self.store.events(sid, after, count=BATCH)
                 for event in first:
                     yield event
+                    _note_completed(completed, event)
                 watch.advance(first)
                 after = first[-1].id if first else after
-                if len(first) < BATCH and not await watch.wait(heartbeat):
-                    yield None  # all read: the next read waits for news
+                read = len(first) == BATCH
+            replayed = gate is not None and not read
             while True:
-                batch, more = await self.next(sid, watch, after)
-                for event in batch:
-                    yield event
-                if batch:
-                    after = batch[-1].id
-                if not more and not await watch.wait(heartbeat):
+                if replayed:  # live events that came before a commit go out before it
+                    for live in watch.take_live():
+                        if live.item_id not in completed:
+                            yield live
+                if read:
+                    batch, more = await self.next(sid, watch, after)
+                    for event in batch:
+                        yield event
+                        _note_completed(completed, event)
+                    if batch:
+                        after = batch[-1].id
+                    if more:
+                        continue
+                replayed = True
+                for live in watch.take_live():
+                    if live.item_id not in completed:
+                        yield live
+                woken = await watch.wait(heartbeat)
+                if not woken:
                     yield None
+                # a commit (here or elsewhere), or a periodic look in case a wake-up was lost
+                read = not woken or watch.take_news()
+
+
+def _note_completed(completed: deque[str], event: StoredEvent) -> None:
+    item = completed_item(event)
+    if item is not None:
+        completed.append(item)

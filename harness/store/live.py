@@ -1,0 +1,128 @@
+"""Transient events between processes: Redis pub/sub on one channel per session.
+
+A process publishes the live events of the turns it runs (`send`, batched: a burst of deltas
+is one pipeline) and subscribes to the channels of the sessions it has readers for (`follow`,
+`unfollow`). Live events are best-effort by design (the committed `message.completed` is the
+truth): one lost while Redis is away, or before a subscription is in place, is not resent. A
+process skips what it published itself (each message names its origin).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import Callable
+
+from redis.asyncio import Redis
+
+from harness.aio import cancel_and_wait
+from harness.events import LiveEvent, live_event
+from harness.store.keys import SessionKeys, session_of
+
+log = logging.getLogger("keel.live")
+RETRY_S = 1.0
+
+
+class LiveRelay:
+    def __init__(self, redis: Redis, deliver: Callable[[str, LiveEvent], None]) -> None:
+        self._redis = redis
+        self._deliver = deliver  # an event another process published, for this process's readers
+        self._origin = os.urandom(8).hex().encode()
+        self._outgoing: list[tuple[str, bytes]] = []
+        self._flusher: asyncio.Task[None] | None = None
+        self._pubsub = redis.pubsub(ignore_subscribe_messages=True)
+        self._readers: dict[str, int] = {}  # session -> readers here that want its live events
+        self._dropped: set[str] = set()  # sessions whose channel is to be unsubscribed
+        self._subscribed = asyncio.Event()  # set while at least one channel is subscribed
+        self._listener: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        if self._listener is None:
+            self._listener = asyncio.create_task(self._listen(), name="keel-live-listener")
+
+    async def stop(self) -> None:
+        await cancel_and_wait(t for t in (self._listener, self._flusher) if t is not None)
+        self._listener = self._flusher = None
+        with contextlib.suppress(Exception):
+            await self._pubsub.aclose()  # type: ignore[no-untyped-call]
+
+    # ---- out ---------------------------------------------------------------------------
+
+    def send(self, sid: str, event: LiveEvent) -> None:
+        self._outgoing.append((sid, event.raw))
+        if self._flusher is None:
+            self._flusher = asyncio.create_task(self._flush())
+
+    async def flush(self) -> None:
+        """Return once what `send` was given so far has been published (or failed to be)."""
+        if self._flusher is not None:
+            await asyncio.shield(self._flusher)
+
+    async def _flush(self) -> None:
+        try:
+            while self._outgoing:
+                batch, self._outgoing = self._outgoing, []
+                async with self._redis.pipeline(transaction=False) as pipe:
+                    for sid, raw in batch:
+                        pipe.publish(SessionKeys(sid).live, self._origin + b" " + raw)
+                    await pipe.execute()
+        except Exception as exc:  # Redis away: those live events are lost, as documented
+            log.warning("live events not published: %s", type(exc).__name__)
+            self._outgoing.clear()
+        finally:
+            self._flusher = None
+
+    # ---- in ----------------------------------------------------------------------------
+
+    async def follow(self, sid: str) -> None:
+        """A reader of `sid` opened here: subscribe to its channel (if it is the first)."""
+        self._readers[sid] = self._readers.get(sid, 0) + 1
+        if self._readers[sid] == 1:
+            await self._subscribe([SessionKeys(sid).live])
+
+    def unfollow(self, sid: str) -> None:
+        """The reader went: the listener unsubscribes from the channel of a session that has no
+        reader left here (no Redis call in the reader's clean-up, which may be cancelled)."""
+        left = self._readers.get(sid, 0) - 1
+        if left > 0:
+            self._readers[sid] = left
+            return
+        self._readers.pop(sid, None)
+        self._dropped.add(sid)
+        self._subscribed.set()  # (wakes an idle listener to unsubscribe)
+
+    async def _subscribe(self, channels: list[str]) -> None:
+        try:
+            await self._pubsub.subscribe(*channels)
+        except Exception as exc:  # Redis away: the listener subscribes again when it is back
+            log.warning("live events: subscribing failed: %s", type(exc).__name__)
+        self._subscribed.set()
+
+    async def _listen(self) -> None:
+        while True:
+            try:
+                if self._dropped:
+                    gone = [SessionKeys(s).live for s in self._dropped if s not in self._readers]
+                    self._dropped.clear()
+                    if gone:
+                        await self._pubsub.unsubscribe(*gone)
+                if not self._readers:
+                    self._subscribed.clear()
+                    await self._subscribed.wait()
+                    continue
+                message = await self._pubsub.get_message(timeout=1.0)
+                if message is None or message.get("type") != "message":
+                    continue
+                origin, _, raw = message["data"].partition(b" ")
+                if origin != self._origin:
+                    self._deliver(session_of(message["channel"].decode()), live_event(raw))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("live events: %s; subscribing again in %ss", type(exc).__name__, RETRY_S)
+                await asyncio.sleep(RETRY_S)
+                missing = [SessionKeys(s).live for s in self._readers]
+                if missing:
+                    await self._subscribe(missing)
