@@ -45,9 +45,12 @@ def build_harness(
     """The Harness a keel process runs, from its settings, on a Redis client of its own (closed
     by `Harness.stop`): the web process, the worker (which always runs turns) and the
     benchmarks all start keel this way."""
+    the_agent = agent or load_agent(settings.agent)
+    if settings.model is not None:
+        the_agent = the_agent.with_model(settings.model)
     return Harness.connect(
         url,
-        agent or load_agent(settings.agent),
+        the_agent,
         run_turns=settings.run_turns if run_turns is None else run_turns,
         retention=settings.event_retention,
         lease_ms=settings.lease_ms,

@@ -7,6 +7,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from harness.models.spec import check as check_model
+
 DEMO_AGENT = "app.demo:agent"
 
 
@@ -65,6 +67,7 @@ class Settings:
     redis_url: str | None = None
     data_dir: Path = Path(".keel")
     agent: str = DEMO_AGENT
+    model: str | None = None
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     max_body: int = 1_048_576
     run_turns: bool = True
@@ -93,6 +96,7 @@ class Settings:
             redis_url=env.get("REDIS_URL") or None,
             data_dir=Path(env.get("KEEL_DATA_DIR") or ".keel"),
             agent=env.get("KEEL_AGENT") or DEMO_AGENT,
+            model=env.get("KEEL_MODEL") or None,
             api_keys=keys,
             max_body=_int(env, "KEEL_MAX_BODY_BYTES", 1_048_576),
             run_turns=_flag(env, "KEEL_RUN_TURNS", default=True),
@@ -111,6 +115,11 @@ class Settings:
             token_ttl=_int(env, "KEEL_TOKEN_TTL", 900, low=10),
             demo_page=_flag(env, "KEEL_DEMO_PAGE", default=not keys),
         )
+        if settings.model is not None:
+            try:
+                check_model(settings.model, env)
+            except ValueError as exc:
+                raise SettingsError(f"KEEL_MODEL: {exc}") from None
         if not settings.api_keys and not is_loopback(settings.host):
             raise SettingsError(
                 f"KEEL_API_KEYS is unset: keel serves without auth only on loopback, not on KEEL_HOST={settings.host}"

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from harness.compaction import Compaction
 from harness.models.base import Model, ToolSpec
+from harness.models.spec import resolve
 from harness.prompt import InputCallback
 from harness.runtime import RuntimeContext, RuntimeFn
 from harness.todo import todo_tool
@@ -14,7 +16,9 @@ from harness.tools import Tool
 
 
 class Agent:
-    """`Agent(instructions=..., tools=[fn, ...], model=ScriptedModel(fn))`.
+    """`Agent(instructions=..., tools=[fn, ...], model=ScriptedModel(fn))`, or with a real model:
+    `model="anthropic:claude-sonnet-4-5"`, `"openai:gpt-5"`, `"openai-chat:<model>"` (see
+    `harness.models.spec`), or an `AnthropicModel(...)` / `OpenAIModel(...)` of your own.
 
     - `max_steps` bounds the model calls of one turn; past it the turn fails with `max_steps`.
     - `runtime_context=[fn, ...]`: providers of volatile facts (branch, plan, date), each
@@ -25,13 +29,16 @@ class Agent:
     - `context_window` (tokens) turns on automatic compaction, configured by `compaction`
       (see `harness.compaction`); a manual compact uses `compaction` either way.
     - `todo=True` gives the model the built-in `todo` tool (see `harness.todo`).
+    - `model_retries`: how many more attempts a model call gets after one that may succeed
+      next time (rate limited, overloaded, unreachable, a cut or idle stream); see
+      `harness.modelcall`.
     """
 
     def __init__(
         self,
         *,
         instructions: str,
-        model: Model,
+        model: Model | str,
         tools: Iterable[Tool | Callable[..., Any]] = (),
         name: str = "agent",
         max_steps: int = 16,
@@ -40,6 +47,7 @@ class Agent:
         context_window: int | None = None,
         compaction: Compaction | None = None,
         todo: bool = False,
+        model_retries: int = 3,
     ) -> None:
         if max_steps < 1:
             raise ValueError("max_steps must be at least 1")
@@ -47,8 +55,11 @@ class Agent:
             raise ValueError("context_window must be a positive number of tokens")
         self.name = name
         self.instructions = instructions
-        self.model = model
+        self.model = resolve(model) if isinstance(model, str) else model
         self.max_steps = max_steps
+        if model_retries < 0:
+            raise ValueError("model_retries must be 0 or more")
+        self.model_retries = model_retries
         self.runtime = RuntimeContext(runtime_context)
         self.input_callback = input_callback
         self.context_window = context_window
@@ -63,3 +74,9 @@ class Agent:
             self.tools[t.name] = t
         # Built once: the same objects (and so the same bytes) in every request of every turn (I6).
         self.tool_specs: tuple[ToolSpec, ...] = tuple(t.spec for t in built)
+
+    def with_model(self, model: Model | str) -> Agent:
+        """The same agent on another model (`KEEL_MODEL` puts the configured agent on it)."""
+        other = copy.copy(self)
+        other.model = resolve(model) if isinstance(model, str) else model
+        return other

@@ -51,7 +51,19 @@ class ToolError(KeelError):
 
 
 class ModelError(KeelError):
+    """A provider attempt failed. `retryable`: another attempt may succeed (after `retry_after`
+    seconds, when the provider said so). Codes: model_auth, model_invalid_request,
+    model_not_found, model_context_length, model_rate_limited, model_overloaded,
+    model_unavailable, model_timeout, model_connection, model_error."""
+
     code = "model_error"
+
+    def __init__(
+        self, message: str, *, code: str | None = None, retryable: bool = False, retry_after: float | None = None
+    ) -> None:
+        super().__init__(message, code=code)
+        self.retryable = retryable
+        self.retry_after = retry_after
 
 
 class CallbackError(KeelError):

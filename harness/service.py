@@ -251,6 +251,7 @@ class Harness:
             "input_tokens": int(meta.get("u_in", 0)),
             "output_tokens": int(meta.get("u_out", 0)),
             "cached_tokens": int(meta.get("u_cached", 0)),
+            "cache_write_tokens": int(meta.get("u_cwrite", 0)),
             "model_calls": int(meta.get("u_calls", 0)),
         }
         status: SessionStatus = meta["status"]  # type: ignore[assignment]

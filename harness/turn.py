@@ -8,17 +8,17 @@ resumes when every request is answered, and runs exactly the stored calls.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import Any
 
 from harness import failpoints
 from harness.agent import Agent
 from harness.compaction import Compactor, split
-from harness.errors import CallbackError, StaleLease
-from harness.events import delta, event_body
+from harness.errors import CallbackError, ModelError, StaleLease
+from harness.events import event_body
 from harness.ids import new_id
-from harness.models.base import ModelReply, ModelRequest, TextDelta
+from harness.modelcall import ModelCall
+from harness.models.base import ModelReply, ModelRequest
 from harness.models.tokens import request_tokens
 from harness.outcomes import Cancel, Final, Live, Outcome, Paused, Publish, RunTools, StepOutcome
 from harness.prompt import assemble, new_input, user_item
@@ -109,19 +109,14 @@ class TurnRunner:
         except CallbackError as exc:
             return await self.fail(exc.code, exc.message)
         estimate = request_tokens(request) if self.agent.context_window is not None else None
-        if not self.attempt_counted:
-            await self.store.count_attempt(self.sid)  # before the call: a reply lost in a crash still counts
-        self.attempt_counted = False
         item_id = new_id("it")
+        call = ModelCall(self.store, self.agent, self.sid, self.turn_id, publish=self._publish, live=self._live)
         try:
-            reply = await self._stream(request, item_id)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            log.warning("session %s turn %s: model failed: %s", self.sid, self.turn_id, type(exc).__name__)
-            failed = await self.store.record_usage(self.sid, self.turn_id, step, Usage(), failed=True)  # may be billed
-            self._publish(self.sid, [failed], False)
-            return await self.fail("model_error", f"the model call failed: {type(exc).__name__}: {exc}")
+            reply = await call.reply(request, step, item_id, counted=self.attempt_counted)
+        except ModelError as exc:
+            return await self.fail(exc.code, exc.message)
+        finally:
+            self.attempt_counted = False
         # The attempt's tokens are written by the script that commits its step, first, so a
         # refused or retried step shows every attempt (I5). With step.before_commit armed, apart:
         # the crash tests stop the process between the two writes.
@@ -134,24 +129,6 @@ class TurnRunner:
         if estimate is not None:
             self.last_in, self.last_est = usage.input_tokens, estimate
         return await self._commit_reply(reply, record, item_id)
-
-    async def _stream(self, request: ModelRequest, item_id: str) -> ModelReply:
-        """The model's reply; its text, as it streams, goes out as message.delta events of the
-        item `item_id` (the assistant item the step commits)."""
-        reply: ModelReply | None = None
-        offset = 0
-        async for event in self.agent.model.stream(request):
-            if isinstance(event, TextDelta):
-                if event.text and self._live is not None:
-                    self._live.live(self.sid, delta(self.sid, self.turn_id, item_id, event.text, offset))
-                offset += len(event.text)
-            else:
-                reply = event
-        if reply is None:
-            raise RuntimeError("the model's stream ended without a reply")
-        if offset and self._live is not None:
-            await self._live.flush_live()
-        return reply
 
     async def _request(self, step: int) -> ModelRequest:
         return await assemble(
@@ -213,7 +190,14 @@ class TurnRunner:
         # keel's own call ids, always: a provider's may repeat (call_0 in every response), and the
         # id is the request id's root and the tools' idempotency key.
         calls = tuple(ToolCall(c.name, c.arguments, new_id("call")) for c in reply.tool_calls)
-        item = Item(id=item_id, role="assistant", text=reply.text, turn_id=self.turn_id, tool_calls=calls)
+        item = Item(
+            id=item_id,
+            role="assistant",
+            text=reply.text,
+            turn_id=self.turn_id,
+            tool_calls=calls,
+            provider=reply.provider,
+        )
         items = [] if self.user_committed else [*self._head(), user_item(self.message)]
         items.append(item)
         events: list[tuple[str, bytes]] = []

@@ -30,9 +30,14 @@ class ToolCall(msgspec.Struct, frozen=True, omit_defaults=True):
 
 
 class Usage(msgspec.Struct, frozen=True):
+    """One provider attempt's tokens. `input_tokens` counts the whole prompt; of it,
+    `cached_tokens` were read from the provider's prompt cache and `cache_write_tokens` written
+    to it."""
+
     input_tokens: int = 0
     output_tokens: int = 0
     cached_tokens: int = 0
+    cache_write_tokens: int = 0
 
 
 class Item(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -49,6 +54,10 @@ class Item(msgspec.Struct, frozen=True, omit_defaults=True):
     is_error: bool = False
     message_id: str | None = None
     context_key: str | None = None
+    # What a provider needs back unchanged in the tool loop and no one is shown (Anthropic's
+    # thinking blocks with their signatures, OpenAI's reasoning items), under the provider's
+    # name: another provider ignores it.
+    provider: dict[str, Any] | None = None
 
 
 # Page context as a channel hands it to the harness: a string, a list of strings (this turn

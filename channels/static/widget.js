@@ -194,6 +194,10 @@
             node.keelLength = 0;
             nodes.set(d.item_id, node);
           }
+          if (d.offset === 0 && node.keelLength > 0) {
+            node.textContent = ""; // a retried attempt streams the item again from the start
+            node.keelLength = 0;
+          }
           if (d.offset === node.keelLength) {
             node.textContent += d.delta;
             node.keelLength += [...d.delta].length;

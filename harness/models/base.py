@@ -41,6 +41,7 @@ class ModelReply(msgspec.Struct, frozen=True):
     text: str = ""
     tool_calls: list[ToolCall] = []
     usage: Usage | None = None
+    provider: dict[str, Any] | None = None  # opaque provider data, kept on the assistant item
 
 
 class TextDelta(msgspec.Struct, frozen=True):

@@ -13,7 +13,7 @@ JSON from Python is never decoded and re-encoded here (cjson would change number
 
 Meta fields: owner, created_at, metadata, status (idle|running|waiting), seq, fence, turn (the
 turn in progress), turn_start, hist_start (where the turn's items and the active history begin in
-the history list), u_in/u_out/u_cached/u_calls (usage), last_in/last_est (the provider-reported
+the history list), u_in/u_out/u_cached/u_cwrite/u_calls (usage), last_in/last_est (the provider-reported
 input tokens of the last turn call and keel's estimate of that request, for compaction),
 waiting_on (the request ids the paused turn waits for), undecided (how many of them are
 unanswered), cancel (the turn a cancel was asked for).
@@ -66,6 +66,7 @@ local function record_usage(retention, u)
   redis.call('HINCRBY', K.meta, 'u_in', u.input_tokens)
   redis.call('HINCRBY', K.meta, 'u_out', u.output_tokens)
   redis.call('HINCRBY', K.meta, 'u_cached', u.cached_tokens)
+  if u.cache_write_tokens > 0 then redis.call('HINCRBY', K.meta, 'u_cwrite', u.cache_write_tokens) end
   if u.last_est then redis.call('HSET', K.meta, 'last_in', u.input_tokens, 'last_est', u.last_est) end
   return emit(retention, 'usage.recorded', u.body)
 end

@@ -165,6 +165,7 @@ class UsageArgs(msgspec.Struct, frozen=True):
     output_tokens: int
     cached_tokens: int
     body: str  # the usage.recorded event body
+    cache_write_tokens: int = 0
     last_est: int | None = None  # with a turn call's report: keel's estimate of that request
 
 

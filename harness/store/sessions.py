@@ -294,6 +294,7 @@ class Store:
             "input_tokens": usage.input_tokens,
             "output_tokens": usage.output_tokens,
             "cached_tokens": usage.cached_tokens,
+            "cache_write_tokens": usage.cache_write_tokens,
         }
         if failed:
             data["failed"] = True
@@ -301,7 +302,14 @@ class Store:
             data["purpose"] = purpose
         body = event_body(turn_id, data)
         last_est = None if estimate is None or failed else estimate
-        args = p.UsageArgs(usage.input_tokens, usage.output_tokens, usage.cached_tokens, body.decode(), last_est)
+        args = p.UsageArgs(
+            input_tokens=usage.input_tokens,
+            output_tokens=usage.output_tokens,
+            cached_tokens=usage.cached_tokens,
+            cache_write_tokens=usage.cache_write_tokens,
+            body=body.decode(),
+            last_est=last_est,
+        )
         return body, args
 
     @translated

@@ -1,0 +1,55 @@
+"""Provider failures as keel's `ModelError`s, one mapping for every adapter: what failed (the
+code a failed turn carries), whether another attempt may succeed, and after how long the
+provider asked to wait."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from harness.errors import ModelError
+
+RETRYABLE_STATUS = {408, 409, 429}
+CONTEXT_HINTS = ("context length", "context_length", "too long", "maximum context", "context window")
+
+
+def retry_after(headers: Mapping[str, str]) -> float | None:
+    """`retry-after-ms` (milliseconds) or `retry-after` (seconds), when a provider sent one."""
+    for name, scale in (("retry-after-ms", 0.001), ("retry-after", 1.0)):
+        raw = headers.get(name)
+        if raw is not None:
+            try:
+                return max(float(raw) * scale, 0.0)
+            except ValueError:
+                continue  # (an HTTP date: back off as usual)
+    return None
+
+
+def from_status(status: int, message: str, *, kind: str = "", headers: Mapping[str, str] | None = None) -> ModelError:
+    """The ModelError for an HTTP status (or, for an error that came inside a 200 stream, the
+    provider's error `kind`, such as "overloaded_error")."""
+    wait = retry_after(headers or {})
+    lowered = f"{kind} {message}".lower()
+    if status == 400 and any(hint in lowered for hint in CONTEXT_HINTS):
+        return ModelError(message, code="model_context_length")
+    if status in (401, 403) or "authentication" in kind or "permission" in kind:
+        return ModelError(message, code="model_auth")
+    if status == 404 or kind == "not_found_error":
+        return ModelError(message, code="model_not_found")
+    if status == 429 or "rate_limit" in kind:
+        return ModelError(message, code="model_rate_limited", retryable=True, retry_after=wait)
+    if status == 529 or "overloaded" in kind:
+        return ModelError(message, code="model_overloaded", retryable=True, retry_after=wait)
+    if status in RETRYABLE_STATUS:
+        return ModelError(message, code="model_unavailable", retryable=True, retry_after=wait)
+    if status >= 500 or (status == 200 and kind):  # (an error event in a stream that began well)
+        return ModelError(message, code="model_unavailable", retryable=True, retry_after=wait)
+    return ModelError(message, code="model_invalid_request")
+
+
+def timed_out(message: str) -> ModelError:
+    """No connection within the connect timeout, or no event for the idle timeout."""
+    return ModelError(message, code="model_timeout", retryable=True)
+
+
+def unreachable(message: str) -> ModelError:
+    return ModelError(message, code="model_connection", retryable=True)
