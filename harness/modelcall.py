@@ -33,6 +33,11 @@ def backoff(retry: int, retry_after: float | None) -> float:
     return random.uniform(0, min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2 ** (retry - 1)))
 
 
+class Interrupted(Exception):
+    """The turn was cancelled while the model streamed: the stream was closed, and the turn ends
+    cancelled (a signal, not a failure)."""
+
+
 def as_model_error(exc: Exception) -> ModelError:
     if isinstance(exc, ModelError):
         return exc
@@ -41,16 +46,43 @@ def as_model_error(exc: Exception) -> ModelError:
 
 class ModelCall:
     def __init__(
-        self, store: Store, agent: Agent, sid: str, turn_id: str, *, publish: Publish, live: Live | None
+        self,
+        store: Store,
+        agent: Agent,
+        sid: str,
+        turn_id: str,
+        *,
+        publish: Publish,
+        live: Live | None,
+        running: dict[str, ModelCall] | None = None,
     ) -> None:
         self.store, self.agent, self.sid, self.turn_id = store, agent, sid, turn_id
         self._publish = publish
         self._live = live
+        self._running = running if running is not None else {}  # session -> its call in progress here
+        self._task: asyncio.Task[object] | None = None
+        self._streaming = False  # awaiting the provider (the only await an interrupt may cut)
+        self._interrupted = False
+
+    def interrupt(self) -> None:
+        """A cancel of this turn was asked for: close the provider's stream now, if one is open."""
+        if self._streaming and self._task is not None and not self._interrupted:
+            self._interrupted = True
+            self._task.cancel()
 
     async def reply(self, request: ModelRequest, step: int, item_id: str, *, counted: bool) -> ModelReply:
         """The model's reply to `request`, whose text streams as deltas of `item_id` (a retry
         streams it again from offset 0). `counted`: the first attempt is counted already.
-        Raises the last attempt's ModelError when no attempt succeeded."""
+        Raises the last attempt's ModelError when no attempt succeeded, Interrupted when the turn
+        was cancelled during the call."""
+        self._running[self.sid] = self
+        try:
+            return await self._attempts(request, step, item_id, counted=counted)
+        finally:
+            if self._running.get(self.sid) is self:
+                del self._running[self.sid]
+
+    async def _attempts(self, request: ModelRequest, step: int, item_id: str, *, counted: bool) -> ModelReply:
         retry = 0
         while True:
             if not counted:
@@ -59,27 +91,44 @@ class ModelCall:
             try:
                 return await self._stream(request, item_id)
             except asyncio.CancelledError:
-                raise
+                if not self._interrupted or not self._uncancel():
+                    raise
+                await self._record_failed(step)
+                raise Interrupted from None
             except Exception as exc:
                 error = as_model_error(exc)
             log.warning("session %s turn %s: model attempt failed: %s", self.sid, self.turn_id, error.code)
-            failed = await self.store.record_usage(self.sid, self.turn_id, step, Usage(), failed=True)  # may be billed
-            self._publish(self.sid, [failed], False)
+            await self._record_failed(step)
             if not error.retryable or retry >= self.agent.model_retries:
                 raise error
             retry += 1
             await asyncio.sleep(backoff(retry, error.retry_after))
 
+    async def _record_failed(self, step: int) -> None:
+        failed = await self.store.record_usage(self.sid, self.turn_id, step, Usage(), failed=True)  # may be billed
+        self._publish(self.sid, [failed], False)
+
+    def _uncancel(self) -> bool:
+        """Take back the interrupt's cancellation; False if the task is being cancelled for
+        another reason too (a shutdown), which must go on."""
+        task = self._task
+        return task is not None and task.uncancel() == 0
+
     async def _stream(self, request: ModelRequest, item_id: str) -> ModelReply:
         reply: ModelReply | None = None
         offset = 0
-        async for event in self.agent.model.stream(request):
-            if isinstance(event, TextDelta):
-                if event.text and self._live is not None:
-                    self._live.live(self.sid, delta(self.sid, self.turn_id, item_id, event.text, offset))
-                offset += len(event.text)
-            else:
-                reply = event
+        self._task = asyncio.current_task()
+        self._streaming = True
+        try:
+            async for event in self.agent.model.stream(request):
+                if isinstance(event, TextDelta):
+                    if event.text and self._live is not None:
+                        self._live.live(self.sid, delta(self.sid, self.turn_id, item_id, event.text, offset))
+                    offset += len(event.text)
+                else:
+                    reply = event
+        finally:
+            self._streaming = False
         if reply is None:
             raise ModelError("the model's stream ended without a reply", retryable=True)
         if offset and self._live is not None:

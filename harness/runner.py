@@ -18,6 +18,7 @@ from harness.agent import Agent
 from harness.aio import cancel_and_wait
 from harness.errors import StaleLease
 from harness.ids import stream_key
+from harness.modelcall import ModelCall
 from harness.ops import OpRunner
 from harness.outcomes import Final, Live, Publish
 from harness.store import Begun, Busy, JobQueue, Store
@@ -55,6 +56,7 @@ class Runner:
         self.agent = agent
         self.publish = publish
         self.live = live
+        self.calls: dict[str, ModelCall] = {}  # session -> its model call in progress here
         self._on_idle = on_idle  # a session stopped running here
         self.lease_ms = lease_ms
         self.block_ms = block_ms
@@ -82,6 +84,12 @@ class Runner:
         if self._acking is not None:
             with contextlib.suppress(Exception):
                 await self._acking
+
+    def interrupt(self, sid: str, turn_id: str) -> None:
+        """A cancel of the turn was asked for: if its model call is running here, stop it."""
+        call = self.calls.get(sid)
+        if call is not None and call.turn_id == turn_id:
+            call.interrupt()
 
     def kick(self, sid: str, job_id: str) -> None:
         """Run the session now: this process accepted a message for it (job `job_id`)."""
@@ -286,7 +294,8 @@ class Runner:
         renewal = Renewal(self.store, sid, begun.fence, self.lease_ms)
         try:
             if begun.message.kind == "message":
-                outcome = await TurnRunner(self.store, self.agent, sid, begun, self.publish, live=self.live).run()
+                turn = TurnRunner(self.store, self.agent, sid, begun, self.publish, live=self.live, calls=self.calls)
+                outcome = await turn.run()
             else:
                 outcome = await OpRunner(self.store, self.agent, sid, begun, self.publish).run()
         finally:

@@ -71,7 +71,7 @@ class Harness:
         self.store = Store(redis, retention=retention)
         self.queue = JobQueue(redis)
         self.runner: Runner | None = None
-        self.hub = EventHub(redis, runs_here=self._runs_here)
+        self.hub = EventHub(redis, runs_here=self._runs_here, cancelled=self._interrupt)
         self.outbox = Outbox(self.store, self.hub)
         self._owns_redis = False
         if run_turns:
@@ -92,6 +92,10 @@ class Harness:
         harness = cls(connect(url), agent, **options)
         harness._owns_redis = True
         return harness
+
+    def _interrupt(self, sid: str, turn_id: str) -> None:
+        if self.runner is not None:
+            self.runner.interrupt(sid, turn_id)
 
     def _runs_here(self, sid: str) -> bool:
         return self.runner is not None and self.runner.runs(sid)
@@ -209,9 +213,9 @@ class Harness:
         if cancelled is None:
             what = f"turn {turn_id} is not in progress" if turn_id else "there is no turn to cancel"
             raise Conflict(what, code="nothing_to_cancel")
-        turn_id = cancelled
+        self.hub.cancel(sid, cancelled)  # a model call of it streaming anywhere stops now
         await self._wake(sid)
-        return turn_id
+        return cancelled
 
     async def compact(self, sid: str, owner: str) -> str:
         """Queue a manual compaction behind the session's turns. Returns its id (the turn_id of

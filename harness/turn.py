@@ -17,7 +17,7 @@ from harness.compaction import Compactor, split
 from harness.errors import CallbackError, ModelError, StaleLease
 from harness.events import event_body
 from harness.ids import new_id
-from harness.modelcall import ModelCall
+from harness.modelcall import Interrupted, ModelCall
 from harness.models.base import ModelReply, ModelRequest
 from harness.models.tokens import request_tokens
 from harness.outcomes import Cancel, Final, Live, Outcome, Paused, Publish, RunTools, StepOutcome
@@ -36,7 +36,15 @@ class TurnRunner:
     """Runs the turn a runner has begun. Holds nothing between turns."""
 
     def __init__(
-        self, store: Store, agent: Agent, sid: str, begun: Begun, publish: Publish, *, live: Live | None = None
+        self,
+        store: Store,
+        agent: Agent,
+        sid: str,
+        begun: Begun,
+        publish: Publish,
+        *,
+        live: Live | None = None,
+        calls: dict[str, ModelCall] | None = None,
     ) -> None:
         self.store = store
         self.agent = agent
@@ -56,6 +64,7 @@ class TurnRunner:
         self.last_in, self.last_est = begun.last_in, begun.last_est
         self._publish = publish
         self._live = live
+        self._calls = calls  # the model calls in progress in this process (a cancel interrupts them)
         # requests of this turn with no answer: those BEGIN found, and any this run commits
         self.open_requests = [rid for rid, answer in begun.answers.items() if answer is None]
         # the next model call is already counted (a fresh turn's BEGIN counts its first one)
@@ -110,9 +119,13 @@ class TurnRunner:
             return await self.fail(exc.code, exc.message)
         estimate = request_tokens(request) if self.agent.context_window is not None else None
         item_id = new_id("it")
-        call = ModelCall(self.store, self.agent, self.sid, self.turn_id, publish=self._publish, live=self._live)
+        call = ModelCall(
+            self.store, self.agent, self.sid, self.turn_id, publish=self._publish, live=self._live, running=self._calls
+        )
         try:
             reply = await call.reply(request, step, item_id, counted=self.attempt_counted)
+        except Interrupted:
+            return Cancel()  # (cancelled during the call: the attempt counted, nothing of it stored)
         except ModelError as exc:
             return await self.fail(exc.code, exc.message)
         finally:

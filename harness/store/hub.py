@@ -125,7 +125,12 @@ def _expire(waiter: asyncio.Future[bool]) -> None:
 
 class EventHub:
     def __init__(
-        self, redis: Redis | None = None, *, poll_block_ms: int = 100, runs_here: Callable[[str], bool] = _never
+        self,
+        redis: Redis | None = None,
+        *,
+        poll_block_ms: int = 100,
+        runs_here: Callable[[str], bool] = _never,
+        cancelled: Callable[[str, str], None] = lambda sid, turn_id: None,
     ) -> None:
         self._redis = redis
         # Sessions this process runs now write (and announce) their turn's events here: the
@@ -136,7 +141,8 @@ class EventHub:
         self._last: dict[str, str] = {}
         self._task: asyncio.Task[None] | None = None
         self._followed = asyncio.Event()  # set when a session gets a position to poll from
-        self._relay = LiveRelay(redis, self._arrived) if redis is not None else None
+        self._cancelled = cancelled  # (session, turn) a cancel was asked for, here or elsewhere
+        self._relay = LiveRelay(redis, self._arrived, cancelled) if redis is not None else None
 
     def publish(self, sid: str, events: list[StoredEvent], *, settled: bool = True) -> None:
         """This process committed `events` (`settled`: a commit that ended a turn): hand them to
@@ -160,6 +166,13 @@ class EventHub:
         self._arrived(sid, event)
         if self._relay is not None:
             self._relay.send(sid, event)
+
+    def cancel(self, sid: str, turn_id: str) -> None:
+        """A cancel of the turn was committed: the process running it (this one or another)
+        stops its model call now rather than at its next commit."""
+        self._cancelled(sid, turn_id)
+        if self._relay is not None:
+            self._relay.cancel(sid, turn_id)
 
     async def flush_live(self) -> None:
         if self._relay is not None:

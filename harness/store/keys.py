@@ -7,6 +7,7 @@ PREFIX = "keel"
 JOBS = f"{PREFIX}:{{jobs}}:stream"  # turn jobs: "session <id> has work"; consumer group below
 JOBS_GROUP = "runners"
 TOKEN_SECRET = f"{PREFIX}:{{config}}:token-secret"  # string: made once, shared by every process
+CANCELS = f"{PREFIX}:{{control}}:cancels"  # pub/sub channel: "<session> <turn>" a cancel was asked for
 
 
 class SessionKeys:

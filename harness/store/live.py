@@ -1,10 +1,13 @@
-"""Transient events between processes: Redis pub/sub on one channel per session.
+"""Transient events between processes: Redis pub/sub, one channel per session, and one for
+cancel notices that every process hears.
 
 A process publishes the live events of the turns it runs (`send`, batched: a burst of deltas
 is one pipeline) and subscribes to the channels of the sessions it has readers for (`follow`,
 `unfollow`). Live events are best-effort by design (the committed `message.completed` is the
 truth): one lost while Redis is away, or before a subscription is in place, is not resent. A
-process skips what it published itself (each message names its origin).
+process skips what it published itself (each message names its origin). A cancel notice
+(`cancel`) only hurries the process running the turn: the cancel itself is committed first, and
+that process sees it at its next commit anyway.
 """
 
 from __future__ import annotations
@@ -19,23 +22,28 @@ from redis.asyncio import Redis
 
 from harness.aio import cancel_and_wait
 from harness.events import LiveEvent, live_event
-from harness.store.keys import SessionKeys, session_of
+from harness.store.keys import CANCELS, SessionKeys, session_of
 
 log = logging.getLogger("keel.live")
 RETRY_S = 1.0
 
 
 class LiveRelay:
-    def __init__(self, redis: Redis, deliver: Callable[[str, LiveEvent], None]) -> None:
+    def __init__(
+        self,
+        redis: Redis,
+        deliver: Callable[[str, LiveEvent], None],
+        cancelled: Callable[[str, str], None] = lambda sid, turn_id: None,
+    ) -> None:
         self._redis = redis
         self._deliver = deliver  # an event another process published, for this process's readers
+        self._cancelled = cancelled  # a cancel notice from another process: (session, turn)
         self._origin = os.urandom(8).hex().encode()
         self._outgoing: list[tuple[str, bytes]] = []
         self._flusher: asyncio.Task[None] | None = None
         self._pubsub = redis.pubsub(ignore_subscribe_messages=True)
         self._readers: dict[str, int] = {}  # session -> readers here that want its live events
         self._dropped: set[str] = set()  # sessions whose channel is to be unsubscribed
-        self._subscribed = asyncio.Event()  # set while at least one channel is subscribed
         self._listener: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -51,7 +59,15 @@ class LiveRelay:
     # ---- out ---------------------------------------------------------------------------
 
     def send(self, sid: str, event: LiveEvent) -> None:
-        self._outgoing.append((sid, event.raw))
+        self._queue(SessionKeys(sid).live, event.raw)
+
+    def cancel(self, sid: str, turn_id: str) -> None:
+        """Tell every process that the turn is to be cancelled (the one running it stops its
+        model call at once)."""
+        self._queue(CANCELS, f"{sid} {turn_id}".encode())
+
+    def _queue(self, channel: str, data: bytes) -> None:
+        self._outgoing.append((channel, data))
         if self._flusher is None:
             self._flusher = asyncio.create_task(self._flush())
 
@@ -65,8 +81,8 @@ class LiveRelay:
             while self._outgoing:
                 batch, self._outgoing = self._outgoing, []
                 async with self._redis.pipeline(transaction=False) as pipe:
-                    for sid, raw in batch:
-                        pipe.publish(SessionKeys(sid).live, self._origin + b" " + raw)
+                    for channel, data in batch:
+                        pipe.publish(channel, self._origin + b" " + data)
                     await pipe.execute()
         except Exception as exc:  # Redis away: those live events are lost, as documented
             log.warning("live events not published: %s", type(exc).__name__)
@@ -91,16 +107,15 @@ class LiveRelay:
             return
         self._readers.pop(sid, None)
         self._dropped.add(sid)
-        self._subscribed.set()  # (wakes an idle listener to unsubscribe)
 
     async def _subscribe(self, channels: list[str]) -> None:
         try:
             await self._pubsub.subscribe(*channels)
         except Exception as exc:  # Redis away: the listener subscribes again when it is back
             log.warning("live events: subscribing failed: %s", type(exc).__name__)
-        self._subscribed.set()
 
     async def _listen(self) -> None:
+        await self._subscribe([CANCELS])
         while True:
             try:
                 if self._dropped:
@@ -108,21 +123,21 @@ class LiveRelay:
                     self._dropped.clear()
                     if gone:
                         await self._pubsub.unsubscribe(*gone)
-                if not self._readers:
-                    self._subscribed.clear()
-                    await self._subscribed.wait()
-                    continue
                 message = await self._pubsub.get_message(timeout=1.0)
                 if message is None or message.get("type") != "message":
                     continue
-                origin, _, raw = message["data"].partition(b" ")
-                if origin != self._origin:
-                    self._deliver(session_of(message["channel"].decode()), live_event(raw))
+                origin, _, data = message["data"].partition(b" ")
+                if origin == self._origin:
+                    continue
+                channel = message["channel"].decode()
+                if channel == CANCELS:
+                    sid, _, turn_id = data.decode().partition(" ")
+                    self._cancelled(sid, turn_id)
+                else:
+                    self._deliver(session_of(channel), live_event(data))
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 log.warning("live events: %s; subscribing again in %ss", type(exc).__name__, RETRY_S)
                 await asyncio.sleep(RETRY_S)
-                missing = [SessionKeys(s).live for s in self._readers]
-                if missing:
-                    await self._subscribe(missing)
+                await self._subscribe([CANCELS, *(SessionKeys(s).live for s in self._readers)])

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from harness import Agent, ToolContext, tool
+from harness import Agent, Harness, ToolContext, tool
 from harness.errors import Conflict, InvalidInput, NotFound
 from harness.models import ModelReply, ModelRequest, ScriptedModel, ToolCall
 
@@ -27,6 +27,13 @@ class Stalling:
         self.thinking.set()
         await self.release.wait()
         return ModelReply(tool_calls=[ToolCall(self.tool)])
+
+
+async def cancel_unheard(h: Harness, sid: str) -> None:
+    """A cancel whose notice does not reach the running model call (notices are best-effort):
+    the turn learns of it at its next commit, which is what these tests are about."""
+    assert await h.store.cancel(sid, "anon")
+    await h.store.add_job(sid)
 
 
 def gated_agent(runs: list[tuple[str, dict[str, Any], str]]) -> tuple[Agent, ScriptedModel]:
@@ -211,11 +218,8 @@ async def test_cancel_while_the_model_thinks_ends_the_turn_without_running_its_t
     assert turn.status == "cancelled"
     assert ran == []
     history = await h.history(sid, "anon")
-    assert [(i.role, i.text) for i in history] == [
-        ("user", "slow"),
-        ("assistant", ""),
-        ("tool", "error: the turn was cancelled; not run"),
-    ]
+    # the model call is interrupted (issue 12): its reply, tool call included, is never stored
+    assert [(i.role, i.text) for i in history] == [("user", "slow")]
     info = await h.session(sid, "anon")
     assert info.status == "idle" and info.usage["model_calls"] == 1  # the cancelled attempt is accounted
     assert (await h.wait_turn(await h.submit(sid, "anon", "next"), 10)).status == "completed"
@@ -236,7 +240,7 @@ async def test_cancel_during_a_step_that_asks_for_approval_withdraws_what_it_ask
     sid = await h.create_session("anon")
     await h.submit(sid, "anon", "go")
     await asyncio.wait_for(thinking.wait(), 5)
-    await h.cancel(sid, "anon")
+    await cancel_unheard(h, sid)  # the step commits its requests with the cancel pending
     after = await h.submit(sid, "anon", "after")  # runs once the cancelled turn has ended
     release.set()
     assert (await h.wait_turn(after, 10)).status == "completed"
@@ -346,7 +350,7 @@ async def test_a_crash_between_a_cancelled_pause_and_its_cancellation_still_with
     sid = await h.create_session("anon")
     await h.submit(sid, "anon", "go")
     await asyncio.wait_for(thinking.wait(), 5)
-    await h.cancel(sid, "anon")
+    await cancel_unheard(h, sid)  # the step commits its requests with the cancel pending
     after = await h.submit(sid, "anon", "after")
     release.set()
     assert (await h.wait_turn(after, 15)).status == "completed"  # the reclaimed job finished the cancel

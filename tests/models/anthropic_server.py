@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -108,6 +109,9 @@ class AnthropicServer:
         self.requests: list[dict[str, Any]] = []
         self.headers: list[dict[str, str]] = []
         self.clients: list[Any] = []  # SDK clients made for this server, closed with it
+        self.streaming = asyncio.Event()  # a text delta went out
+        self.dropped = asyncio.Event()  # a stream ended before its end: the client closed it
+        self.dropped_at = 0.0
         app = Starlette(routes=[Route("/v1/messages", self.messages, methods=["POST"])])
         self.live = LiveServer(app, free_port())
         self.url = self.live.base
@@ -131,6 +135,7 @@ class AnthropicServer:
         return StreamingResponse(self._stream(reply), media_type="text/event-stream")
 
     async def _stream(self, reply: Reply) -> AsyncIterator[bytes]:
+        finished = False
         try:
             for n, (name, data) in enumerate(events(reply)):
                 if n == reply.cut_after:
@@ -144,6 +149,11 @@ class AnthropicServer:
                 if name == "content_block_delta" and reply.hold is not None:
                     await reply.hold.wait()
                 yield f"event: {name}\ndata: {json.dumps(data)}\n\n".encode()
+                if name == "content_block_delta":
+                    self.streaming.set()
                 await asyncio.sleep(0)
+            finished = True
         finally:
-            pass
+            if not finished and not self.dropped.is_set():
+                self.dropped_at = time.monotonic()
+                self.dropped.set()

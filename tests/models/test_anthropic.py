@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -208,3 +209,24 @@ async def test_failures_that_will_not_pass_fail_the_turn_at_once(
     assert result["status"] == "failed"
     assert result["events"][-1]["data"]["error"]["code"] == code
     assert len(server.requests) == 1 and (await h.session(sid, "o")).usage["model_calls"] == 1
+
+
+@pytest.mark.parametrize("where", ["this process", "another process"])
+async def test_cancel_mid_stream_closes_the_provider_stream_and_stores_nothing_of_it(
+    make_harness: Any, server: AnthropicServer, redis: Any, where: str
+) -> None:
+    server.replies = [Reply([text("a long answer that never ends")], idle_after=5)]  # two deltas, then silence
+    h = await make_harness(Agent(instructions="t", model=claude(server)))
+    other = await make_harness(Agent(instructions="t", model=claude(server)), run_turns=False)
+    canceller = h if where == "this process" else other
+    sid = await h.create_session("o")
+    submitted = await h.submit(sid, "o", "hi")
+    await asyncio.wait_for(server.streaming.wait(), 5)
+    asked = time.monotonic()
+    await canceller.cancel(sid, "o")
+    await asyncio.wait_for(server.dropped.wait(), 5)
+    assert server.dropped_at - asked < 0.2  # the provider's connection closed within 200 ms
+    result = await h.wait_turn(submitted, 5)
+    assert result.status == "cancelled"
+    assert [(i.role, i.text) for i in await h.history(sid, "o")] == [("user", "hi")]  # nothing partial
+    assert (await h.session(sid, "o")).usage["model_calls"] == 1
