@@ -7,7 +7,8 @@ reaches a named point. Unset in production: `reached` is then one set lookup on 
 Points: step.before_commit, step.after_commit (committed, nothing published yet),
 outbox.after_publish (the first event of a commit written to a client), response.after_accept
 (an answer accepted, the resume not yet started), tool.after_run (a tool returned, its result not
-committed), compaction.before_commit (a summary returned, the compacted history not committed)."""
+committed), compaction.before_commit (a summary returned, the compacted history not committed),
+model.mid_stream (a model call's first text delta went out, the rest of the stream not read)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ NAMES = frozenset(
         "response.after_accept",
         "tool.after_run",
         "compaction.before_commit",
+        "model.mid_stream",
     }
 )
 

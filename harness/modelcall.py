@@ -11,6 +11,7 @@ import asyncio
 import logging
 import random
 
+from harness import failpoints
 from harness.agent import Agent
 from harness.errors import ModelError
 from harness.events import delta
@@ -124,6 +125,7 @@ class ModelCall:
                 if isinstance(event, TextDelta):
                     if event.text and self._live is not None:
                         self._live.live(self.sid, delta(self.sid, self.turn_id, item_id, event.text, offset))
+                        failpoints.reached("model.mid_stream")
                     offset += len(event.text)
                 else:
                     reply = event
