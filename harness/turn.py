@@ -65,6 +65,7 @@ class TurnRunner:
         self._publish = publish
         self._live = live
         self._calls = calls  # the model calls in progress in this process (a cancel interrupts them)
+        self._compacted_for_length = False  # a "prompt too long" was answered with a compaction
         # requests of this turn with no answer: those BEGIN found, and any this run commits
         self.open_requests = [rid for rid, answer in begun.answers.items() if answer is None]
         # the next model call is already counted (a fresh turn's BEGIN counts its first one)
@@ -122,14 +123,20 @@ class TurnRunner:
         call = ModelCall(
             self.store, self.agent, self.sid, self.turn_id, publish=self._publish, live=self._live, running=self._calls
         )
+        counted, self.attempt_counted = self.attempt_counted, False
         try:
-            reply = await call.reply(request, step, item_id, counted=self.attempt_counted)
+            reply = await call.reply(request, step, item_id, counted=counted)
         except Interrupted:
             return Cancel()  # (cancelled during the call: the attempt counted, nothing of it stored)
         except ModelError as exc:
+            if exc.code == "model_context_length" and not self._compacted_for_length:
+                self._compacted_for_length = True  # once: compact, then this step again
+                compacted = await self._maybe_compact(request, step, forced=True)
+                if isinstance(compacted, Cancel):
+                    return compacted
+                if compacted is not request:
+                    return await self._model_step()
             return await self.fail(exc.code, exc.message)
-        finally:
-            self.attempt_counted = False
         # The attempt's tokens are written by the script that commits its step, first, so a
         # refused or retried step shows every attempt (I5). With step.before_commit armed, apart:
         # the crash tests stop the process between the two writes.
@@ -166,16 +173,18 @@ class TurnRunner:
             newest = self.snapshot or newest_snapshot(self.history)
             self.tail = [snapshot_item(self.turn_id, text, f"rt{self._step()}")] if changed(text, newest) else []
 
-    async def _maybe_compact(self, request: ModelRequest, step: int) -> ModelRequest | Cancel:
+    async def _maybe_compact(self, request: ModelRequest, step: int, *, forced: bool = False) -> ModelRequest | Cancel:
         """Compact before this call if the prompt (the provider's last count plus an estimate of
-        what changed since, plus the compaction envelope) passes the threshold (I8)."""
+        what changed since, plus the compaction envelope) passes the threshold (I8), or, `forced`,
+        because the provider said the prompt is too long."""
         window, config = self.agent.context_window or 0, self.agent.compaction
         estimate = request_tokens(request)
         tokens = self.last_in + estimate - self.last_est if self.last_in else estimate
-        if not config.due(tokens, window) or not split(self.history, config.keep_turns).older:
+        reason = "context_length" if forced else "threshold"
+        if not (forced or config.due(tokens, window)) or not split(self.history, config.keep_turns).older:
             return request  # under the threshold, or nothing older than the kept turns
         compactor = Compactor(self.store, self.agent.model, config, self.sid, self.turn_id)
-        asked = self._event("compaction.requested", {"reason": "threshold", "tokens": tokens, "context_window": window})
+        asked = self._event("compaction.requested", {"reason": reason, "tokens": tokens, "context_window": window})
         events = [asked]
         done = compactor.trimmed(self.history, tokens, window)
         if done is None:
@@ -183,9 +192,7 @@ class TurnRunner:
                 return Cancel()
             events = []
             done = await compactor.summarized(self.history, step)
-        events.append(
-            self._event("compaction.completed", {"reason": "threshold", "tokens_before": tokens, **done.data})
-        )
+        events.append(self._event("compaction.completed", {"reason": reason, "tokens_before": tokens, **done.data}))
         if done.history is None:
             return Cancel() if (await self._commit([], events)).cancel else request
         current = [*self._head(), user_item(self.message), *self.turn_items] if self.user_committed else []

@@ -14,6 +14,7 @@ import anthropic
 import pytest
 
 from harness import Agent, Harness, tool
+from harness.compaction import Compaction
 from harness.events import LiveEvent, StoredEvent
 from harness.models.anthropic import AnthropicModel
 from tests.models.anthropic_server import AnthropicServer, Reply, text, thinking, tool_use
@@ -230,3 +231,39 @@ async def test_cancel_mid_stream_closes_the_provider_stream_and_stores_nothing_o
     assert result.status == "cancelled"
     assert [(i.role, i.text) for i in await h.history(sid, "o")] == [("user", "hi")]  # nothing partial
     assert (await h.session(sid, "o")).usage["model_calls"] == 1
+
+
+async def test_a_prompt_too_long_compacts_and_tries_the_step_once_more(
+    make_harness: Any, server: AnthropicServer
+) -> None:
+    too_long = {"type": "invalid_request_error", "message": "prompt is too long: 250000 tokens > 200000 maximum"}
+    server.replies = [
+        Reply([text("first answer")]),
+        Reply([text("second answer")]),
+        Reply(status=400, error=too_long),
+        Reply([text("The user asked two questions; both were answered.")]),  # the summary call
+        Reply([text("third answer")]),
+    ]
+    agent = Agent(instructions="t", model=claude(server), compaction=Compaction(keep_turns=1))
+    h = await make_harness(agent)
+    sid, _ = await turn(h, "one")
+    await turn(h, "two", sid)
+    _, result = await turn(h, "three", sid)
+    assert result["status"] == "completed" and result["reply"] == "third answer"
+    types = [e["type"] for e in result["events"]]
+    assert types.count("compaction.completed") == 1
+    reasons = [e["data"]["reason"] for e in result["events"] if e["type"].startswith("compaction.")]
+    assert set(reasons) == {"context_length"}
+    assert "first answer" not in json.dumps(server.requests[-1]["messages"])  # older turns summarized
+    assert (await h.session(sid, "o")).usage["model_calls"] == 5  # 1 + 1 + (refused, summary, retry)
+
+
+async def test_a_prompt_too_long_with_nothing_to_compact_fails_the_turn(
+    make_harness: Any, server: AnthropicServer
+) -> None:
+    too_long = {"type": "invalid_request_error", "message": "prompt is too long"}
+    server.replies = [Reply(status=400, error=too_long)]
+    h = await make_harness(Agent(instructions="t", model=claude(server)))
+    _, result = await turn(h)
+    assert result["status"] == "failed"
+    assert result["events"][-1]["data"]["error"]["code"] == "model_context_length" and len(server.requests) == 1
