@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install dev run worker test lint typecheck bench browser clean
+.PHONY: install dev run worker test lint typecheck bench smoke browser clean
 
 install: $(STAMP)
 
@@ -28,6 +28,7 @@ lint: install
 typecheck: install
 	$(BIN)/mypy
 	$(BIN)/mypy --strict deploy/bench/*.py
+	cd deploy && MYPYPATH=bench:.. ../$(BIN)/mypy --strict smoke.py
 	cd deploy && MYPYPATH=bench ../$(BIN)/mypy --strict ws_load.py
 
 # Debian's chromium for tests/browser: installed when missing and this is root with apt;
@@ -47,6 +48,10 @@ test: install lint typecheck browser
 
 bench: install
 	$(BIN)/python deploy/bench/bench_http.py
+
+# One real turn per provider whose key is set (ANTHROPIC_API_KEY, OPENAI_API_KEY); skips the others.
+smoke: install
+	$(BIN)/python deploy/smoke.py
 
 clean:
 	rm -rf $(VENV) .keel .pytest_cache .mypy_cache .ruff_cache

@@ -59,7 +59,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Route, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
-from websockets.asyncio.client import ClientConnection, connect
 from support import (  # the sibling module: this file runs as a script
     HOST,
     READY_TIMEOUT_S,
@@ -75,6 +74,7 @@ from support import (  # the sibling module: this file runs as a script
     start_valkey,
     stop_process,
 )
+from websockets.asyncio.client import ClientConnection, connect
 
 DELTAS = 100  # text_delta events per reply
 DELTA_CHARS = 40  # characters per delta: 19-digit stamp, space, 3-digit index, space, padding
