@@ -4,6 +4,7 @@ duplicates. Screenshots go to tests/artifacts/."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 from collections.abc import AsyncIterator
@@ -13,6 +14,8 @@ from typing import Any
 import pytest
 
 from app import load_agent
+from harness import Agent
+from harness.models import ModelEvent, ModelReply, ModelRequest, TextDelta
 
 pytestmark = pytest.mark.browser
 CHROMIUM = os.environ.get("KEEL_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
@@ -148,3 +151,37 @@ async def test_reload_and_restart_mid_turn_resume_without_duplicates(page: Page,
     await expect(page.locator(".keel-user")).to_have_text(["hello", "order it"])
     await expect(page.locator(".keel-approval")).to_have_count(1)
     await shot(page, "widget-after-restart")
+
+
+class Typing:
+    """A model that streams "Hello " and then waits for `more` before the rest of its reply."""
+
+    def __init__(self) -> None:
+        self.more = asyncio.Event()
+
+    async def stream(self, request: ModelRequest) -> AsyncIterator[ModelEvent]:
+        if request.messages[-1].role != "user":
+            yield ModelReply(text="done")
+            return
+        yield TextDelta("Hel")
+        yield TextDelta("lo ")
+        await self.more.wait()
+        yield TextDelta("world")
+        yield ModelReply(text="Hello world")
+
+
+async def test_a_streamed_reply_shows_as_it_comes_then_as_committed(browser: Browser, serve: Any) -> None:
+    model = Typing()
+    live = await serve(Agent(instructions="t", model=model), demo_page=True)
+    context = await browser.new_context(base_url=live.base)
+    page = await context.new_page()
+    await page.goto("/")
+    await expect(page.locator("#assistant")).to_have_attribute("data-keel-status", "connected", timeout=10_000)
+    await say(page, "greet me")
+    reply = page.locator(".keel-assistant")
+    await expect(reply).to_have_text(["Hello"])  # the first two deltas, shown before the reply is done
+    await shot(page, "widget-streaming")
+    model.more.set()
+    await expect(reply).to_have_text(["Hello world"])  # one node: the deltas, then message.completed
+    await no_duplicates(page)
+    await context.close()

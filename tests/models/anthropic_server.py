@@ -36,6 +36,7 @@ class Reply:
     idle_after: int | None = None  # send nothing more after this many events (connection kept open)
     error_event_after: int | None = None  # an `error` event (overloaded) after this many events
     hold: asyncio.Event | None = None  # wait for this before the first delta
+    pace: float = 0.0  # seconds between events (a model that types slowly)
 
 
 def text(t: str) -> dict[str, Any]:
@@ -151,7 +152,7 @@ class AnthropicServer:
                 yield f"event: {name}\ndata: {json.dumps(data)}\n\n".encode()
                 if name == "content_block_delta":
                     self.streaming.set()
-                await asyncio.sleep(0)
+                await asyncio.sleep(reply.pace)
             finished = True
         finally:
             if not finished and not self.dropped.is_set():
