@@ -86,6 +86,11 @@ def test_a_second_service_on_the_same_data_dir_is_refused(service: Service, tmp_
         ({"REDIS_URL": "redis://127.0.0.1:1"}, "keel: REDIS_URL is not reachable"),
         ({"KEEL_HOST": "0.0.0.0"}, "keel: KEEL_API_KEYS is unset: keel serves without auth only on loopback"),
         ({"KEEL_PORT": "eighty"}, "keel: KEEL_PORT must be a whole number"),
+        (
+            {"KEEL_MODEL": "anthropic:claude-x", "ANTHROPIC_API_KEY": ""},
+            "keel: KEEL_MODEL: model 'anthropic:claude-x' needs ANTHROPIC_API_KEY",
+        ),
+        ({"KEEL_MODEL": "gemini:pro"}, "keel: KEEL_MODEL: model 'gemini:pro': the provider is one of"),
     ],
 )
 def test_start_up_errors_are_one_line(tmp_path: Path, env: dict[str, str], message: str) -> None:

@@ -30,6 +30,8 @@ class Turn:
     error: dict[str, Any] | None = None
     headers: dict[str, str] = field(default_factory=dict)
     hold: asyncio.Event | None = None  # wait for this before the first delta
+    cut_after: int | None = None  # close the connection after this many deltas
+    idle_after: int | None = None  # send nothing more after this many deltas (connection kept open)
 
 
 def sse(data: dict[str, Any] | str) -> bytes:
@@ -85,7 +87,8 @@ class OpenAIServer:
         seq = 1
         if turn.hold is not None:
             await turn.hold.wait()
-        for piece in _pieces(turn.text):
+        for n, piece in enumerate(_pieces(turn.text)):
+            await _misbehave(turn, n)
             delta = {"type": "response.output_text.delta", "item_id": "msg_1", "output_index": 0}
             yield sse({**delta, "content_index": 0, "delta": piece, "logprobs": [], "sequence_number": seq})
             seq += 1
@@ -118,7 +121,8 @@ class OpenAIServer:
         yield sse(chunk({"role": "assistant", "content": ""}))
         if turn.hold is not None:
             await turn.hold.wait()
-        for piece in _pieces(turn.text):
+        for n, piece in enumerate(_pieces(turn.text)):
+            await _misbehave(turn, n)
             yield sse(chunk({"content": piece}))
             await asyncio.sleep(0)
         for n, (cid, name, args) in enumerate(turn.calls):
@@ -138,6 +142,13 @@ class OpenAIServer:
             {"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": "m", "choices": [], "usage": usage}
         )
         yield sse("[DONE]")
+
+
+async def _misbehave(turn: Turn, n: int) -> None:
+    if n == turn.cut_after:
+        raise ConnectionResetError("cut by the test server")  # uvicorn drops the connection
+    if n == turn.idle_after:
+        await asyncio.sleep(3600)
 
 
 def _pieces(text: str, n: int = 3) -> list[str]:

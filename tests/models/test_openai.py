@@ -103,3 +103,38 @@ async def test_a_bad_key_fails_the_turn_without_retrying(make_harness: Any, serv
     _, result = await turn(h)
     assert result.status == "failed" and result.events[-1]["data"]["error"]["code"] == "model_auth"
     assert len(server.requests) == 1
+
+
+@pytest.mark.parametrize("api", ["responses", "chat"])
+@pytest.mark.parametrize(
+    "failure",
+    [
+        Turn(status=500, error={"message": "The server had an error", "type": "server_error"}),
+        Turn("never finished", cut_after=2),
+        Turn("never finished", idle_after=2),
+    ],
+    ids=["500", "stream cut", "idle stream"],
+)
+async def test_failures_that_may_pass_are_retried(
+    make_harness: Any, server: OpenAIServer, api: str, failure: Turn
+) -> None:
+    server.turns = [failure, Turn("whole reply")]
+    client = openai.AsyncOpenAI(api_key="test-key", base_url=server.url)
+    server.clients.append(client)
+    model = OpenAIModel("gpt-test", client=client, api=api, idle_timeout=0.3)  # type: ignore[arg-type]
+    h = await make_harness(Agent(instructions="t", model=model))
+    sid, result = await turn(h)
+    assert result.status == "completed" and result.reply == "whole reply"
+    assert [i.text for i in await h.history(sid, "o")] == ["hi", "whole reply"]
+    assert (await h.session(sid, "o")).usage["model_calls"] == 2
+
+
+async def test_a_context_length_error_with_nothing_to_compact_fails_the_turn(
+    make_harness: Any, server: OpenAIServer
+) -> None:
+    too_long = {"message": "This model's maximum context length is 128000 tokens.", "code": "context_length_exceeded"}
+    server.turns = [Turn(status=400, error=too_long)]
+    h = await make_harness(Agent(instructions="t", model=gpt(server)))
+    _, result = await turn(h)
+    assert result.status == "failed"
+    assert result.events[-1]["data"]["error"]["code"] == "model_context_length"
