@@ -24,6 +24,7 @@ log = logging.getLogger("keel.model")
 BACKOFF_BASE_S = 0.5
 BACKOFF_MAX_S = 30.0
 RETRY_AFTER_MAX_S = 120.0
+LIVE_YIELD_S = 0.002  # during a burst of deltas, readers get the floor at least this often
 
 
 def backoff(retry: int, retry_after: float | None) -> float:
@@ -118,6 +119,8 @@ class ModelCall:
     async def _stream(self, request: ModelRequest, item_id: str) -> ModelReply:
         reply: ModelReply | None = None
         offset = 0
+        loop = asyncio.get_running_loop()
+        yielded = -LIVE_YIELD_S
         self._task = asyncio.current_task()
         self._streaming = True
         try:
@@ -126,6 +129,13 @@ class ModelCall:
                     if event.text and self._live is not None:
                         self._live.live(self.sid, delta(self.sid, self.turn_id, item_id, event.text, offset))
                         failpoints.reached("model.mid_stream")
+                        # A burst the provider sent at once is read from a buffer without a pause:
+                        # let the readers send what came so far, at the first delta and then at
+                        # most every LIVE_YIELD_S, so a burst goes out in a few writes, not one.
+                        now = loop.time()
+                        if now - yielded >= LIVE_YIELD_S:
+                            await asyncio.sleep(0)
+                            yielded = loop.time()
                     offset += len(event.text)
                 else:
                     reply = event

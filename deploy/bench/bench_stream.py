@@ -505,7 +505,8 @@ async def bounded(variant: Variant, deadline: Deadline, cap: float) -> AsyncIter
 
 
 async def wait_ready(server: Server, deadline: Deadline) -> None:
-    end = time.monotonic() + deadline.left(READY_TIMEOUT_S)
+    budget = deadline.left(READY_TIMEOUT_S)
+    end = time.monotonic() + budget
     last = "no answer"
     while time.monotonic() < end:
         server.check_alive()
@@ -521,7 +522,7 @@ async def wait_ready(server: Server, deadline: Deadline) -> None:
         except (OSError, TimeoutError, asyncio.IncompleteReadError) as exc:
             last = f"{type(exc).__name__}: {exc}"
         await asyncio.sleep(0.1)
-    raise BenchError(f"{server.name} was not ready within {READY_TIMEOUT_S:.0f} s ({last}):\n{log_tail(server.log)}")
+    raise BenchError(f"{server.name} was not ready within {budget:.1f} s ({last}):\n{log_tail(server.log)}")
 
 
 async def run_variant(variant: Variant, valkey_pid: int, args: argparse.Namespace) -> dict[str, Any]:

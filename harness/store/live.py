@@ -80,9 +80,17 @@ class LiveRelay:
         try:
             while self._outgoing:
                 batch, self._outgoing = self._outgoing, []
+                # one message per channel: a session's live events of this batch, a line each
+                # (an envelope has no raw newline); every cancel notice on its own
+                lines: dict[str, list[bytes]] = {}
                 async with self._redis.pipeline(transaction=False) as pipe:
                     for channel, data in batch:
-                        pipe.publish(channel, self._origin + b" " + data)
+                        if channel == CANCELS:
+                            pipe.publish(channel, self._origin + b" " + data)
+                        else:
+                            lines.setdefault(channel, []).append(data)
+                    for channel, events in lines.items():
+                        pipe.publish(channel, self._origin + b" " + b"\n".join(events))
                     await pipe.execute()
         except Exception as exc:  # Redis away: those live events are lost, as documented
             log.warning("live events not published: %s", type(exc).__name__)
@@ -134,7 +142,9 @@ class LiveRelay:
                     sid, _, turn_id = data.decode().partition(" ")
                     self._cancelled(sid, turn_id)
                 else:
-                    self._deliver(session_of(channel), live_event(data))
+                    sid = session_of(channel)
+                    for raw in data.split(b"\n"):
+                        self._deliver(sid, live_event(raw))
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
