@@ -8,8 +8,11 @@ off, so every attempt is counted and shown."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
+from collections.abc import Coroutine
+from typing import TypeVar
 
 from harness import failpoints
 from harness.agent import Agent
@@ -21,6 +24,7 @@ from harness.store import Store
 from harness.types import Usage
 
 log = logging.getLogger("keel.model")
+T = TypeVar("T")
 BACKOFF_BASE_S = 0.5
 BACKOFF_MAX_S = 30.0
 RETRY_AFTER_MAX_S = 120.0
@@ -63,12 +67,15 @@ class ModelCall:
         self._live = live
         self._running = running if running is not None else {}  # session -> its call in progress here
         self._task: asyncio.Task[object] | None = None
-        self._streaming = False  # awaiting the provider (the only await an interrupt may cut)
-        self._interrupted = False
+        self._cuttable = False  # awaiting the provider or a backoff (the only awaits an interrupt may cut)
+        self._asked = False  # a cancel of this turn was asked for
+        self._interrupted = False  # ... and this task was cancelled for it
 
     def interrupt(self) -> None:
-        """A cancel of this turn was asked for: close the provider's stream now, if one is open."""
-        if self._streaming and self._task is not None and not self._interrupted:
+        """A cancel of this turn was asked for: close the provider's stream (or end a backoff)
+        now, or, between those, make no further attempt."""
+        self._asked = True
+        if self._cuttable and self._task is not None and not self._interrupted:
             self._interrupted = True
             self._task.cancel()
 
@@ -85,18 +92,19 @@ class ModelCall:
                 del self._running[self.sid]
 
     async def _attempts(self, request: ModelRequest, step: int, item_id: str, *, counted: bool) -> ModelReply:
+        self._task = asyncio.current_task()
         retry = 0
         while True:
+            if self._asked:  # (asked between attempts: a counted first attempt stays counted)
+                raise Interrupted
             if not counted:
                 await self.store.count_attempt(self.sid)  # before the call: a reply lost in a crash still counts
             counted = False
             try:
-                return await self._stream(request, item_id)
-            except asyncio.CancelledError:
-                if not self._interrupted or not self._uncancel():
-                    raise
+                return await self._cut_short(self._stream(request, item_id))
+            except Interrupted:
                 await self._record_failed(step)
-                raise Interrupted from None
+                raise
             except Exception as exc:
                 error = as_model_error(exc)
             log.warning("session %s turn %s: model attempt failed: %s", self.sid, self.turn_id, error.code)
@@ -104,7 +112,23 @@ class ModelCall:
             if not error.retryable or retry >= self.agent.model_retries:
                 raise error
             retry += 1
-            await asyncio.sleep(backoff(retry, error.retry_after))
+            await self._cut_short(asyncio.sleep(backoff(retry, error.retry_after)))
+
+    async def _cut_short(self, awaitable: Coroutine[object, object, T]) -> T:
+        """Await what an interrupt may cut (the provider's stream, a backoff): Interrupted then,
+        or at once if the cancel was asked already."""
+        if self._asked:
+            awaitable.close()
+            raise Interrupted
+        self._cuttable = True
+        try:
+            return await awaitable
+        except asyncio.CancelledError:
+            if not self._interrupted or not self._uncancel():
+                raise
+            raise Interrupted from None
+        finally:
+            self._cuttable = False
 
     async def _record_failed(self, step: int) -> None:
         failed = await self.store.record_usage(self.sid, self.turn_id, step, Usage(), failed=True)  # may be billed
@@ -121,26 +145,25 @@ class ModelCall:
         offset = 0
         loop = asyncio.get_running_loop()
         yielded = -LIVE_YIELD_S
-        self._task = asyncio.current_task()
-        self._streaming = True
         try:
-            async for event in self.agent.model.stream(request):
-                if isinstance(event, TextDelta):
-                    if event.text and self._live is not None:
-                        self._live.live(self.sid, delta(self.sid, self.turn_id, item_id, event.text, offset))
-                        failpoints.reached("model.mid_stream")
-                        # A burst the provider sent at once is read from a buffer without a pause:
-                        # let the readers send what came so far, at the first delta and then at
-                        # most every LIVE_YIELD_S, so a burst goes out in a few writes, not one.
-                        now = loop.time()
-                        if now - yielded >= LIVE_YIELD_S:
-                            await asyncio.sleep(0)
-                            yielded = loop.time()
-                    offset += len(event.text)
-                else:
-                    reply = event
+            async with contextlib.aclosing(self.agent.model.stream(request)) as events:  # closed when cut
+                async for event in events:
+                    if isinstance(event, TextDelta):
+                        if event.text and self._live is not None:
+                            self._live.live(self.sid, delta(self.sid, self.turn_id, item_id, event.text, offset))
+                            failpoints.reached("model.mid_stream")
+                            # A burst the provider sent at once is read from a buffer without a pause:
+                            # let the readers send what came so far, at the first delta and then at
+                            # most every LIVE_YIELD_S, so a burst goes out in a few writes, not one.
+                            now = loop.time()
+                            if now - yielded >= LIVE_YIELD_S:
+                                await asyncio.sleep(0)
+                                yielded = loop.time()
+                        offset += len(event.text)
+                    else:
+                        reply = event
         finally:
-            self._streaming = False
+            self._cuttable = False  # (the flush below is not the provider's: it is not cut)
         if reply is None:
             raise ModelError("the model's stream ended without a reply", retryable=True)
         if offset and self._live is not None:

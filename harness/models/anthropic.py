@@ -12,7 +12,7 @@ durable item carries the second breakpoint (`ModelRequest.cache_breakpoints`).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import anthropic
@@ -70,7 +70,7 @@ class AnthropicModel:
             params["thinking"] = self.thinking
         return params
 
-    async def stream(self, request: ModelRequest) -> AsyncIterator[ModelEvent]:
+    async def stream(self, request: ModelRequest) -> AsyncGenerator[ModelEvent, None]:
         try:
             async with self.client.messages.stream(**self.params(request)) as stream:
                 async for event in stream:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any, Protocol, runtime_checkable
 
 import msgspec
@@ -59,7 +59,7 @@ class Model(Protocol):
     `TextDelta`s, possibly none), then the whole `ModelReply`, last. Implementations:
     ScriptedModel and CachingScriptedModel (tests, demo); provider adapters."""
 
-    def stream(self, request: ModelRequest) -> AsyncIterator[ModelEvent]: ...
+    def stream(self, request: ModelRequest) -> AsyncGenerator[ModelEvent, None]: ...
 
 
 async def complete(model: Model, request: ModelRequest) -> ModelReply:

@@ -9,7 +9,17 @@ from collections.abc import Mapping
 from harness.errors import ModelError
 
 RETRYABLE_STATUS = {408, 409, 429}
-CONTEXT_HINTS = ("context length", "context_length", "too long", "maximum context", "context window")
+# How providers say the prompt does not fit: Anthropic ("prompt is too long: ...", "input length
+# and `max_tokens` exceed context limit: ..."), OpenAI (code context_length_exceeded, "maximum
+# context length is ..."), OpenAI-compatible servers ("context window", "context length").
+CONTEXT_HINTS = (
+    "prompt is too long",
+    "exceed context limit",
+    "context_length_exceeded",
+    "maximum context length",
+    "context length",
+    "context window",
+)
 
 
 def retry_after(headers: Mapping[str, str]) -> float | None:
@@ -29,8 +39,10 @@ def from_status(status: int, message: str, *, kind: str = "", headers: Mapping[s
     provider's error `kind`, such as "overloaded_error")."""
     wait = retry_after(headers or {})
     lowered = f"{kind} {message}".lower()
-    if status == 400 and any(hint in lowered for hint in CONTEXT_HINTS):
+    if status in (400, 413) and any(hint in lowered for hint in CONTEXT_HINTS):
         return ModelError(message, code="model_context_length")
+    if "insufficient_quota" in lowered:  # a 429 that waiting does not cure
+        return ModelError(message, code="model_quota")
     if status in (401, 403) or "authentication" in kind or "permission" in kind:
         return ModelError(message, code="model_auth")
     if status == 404 or kind == "not_found_error":
@@ -41,6 +53,8 @@ def from_status(status: int, message: str, *, kind: str = "", headers: Mapping[s
         return ModelError(message, code="model_overloaded", retryable=True, retry_after=wait)
     if status in RETRYABLE_STATUS:
         return ModelError(message, code="model_unavailable", retryable=True, retry_after=wait)
+    if status == 200 and "invalid" in kind:  # (a stream that began well, then refused the request)
+        return ModelError(message, code="model_invalid_request")
     if status >= 500 or (status == 200 and kind):  # (an error event in a stream that began well)
         return ModelError(message, code="model_unavailable", retryable=True, retry_after=wait)
     return ModelError(message, code="model_invalid_request")

@@ -13,7 +13,7 @@ requests reach the same cache.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any, Literal
 
 import httpx2  # the SDK's HTTP client: a stream cut or gone idle mid-way surfaces as its error
@@ -73,7 +73,7 @@ class OpenAIModel:
             params["reasoning"] = self.reasoning
         return params
 
-    async def stream(self, request: ModelRequest) -> AsyncIterator[ModelEvent]:
+    async def stream(self, request: ModelRequest) -> AsyncGenerator[ModelEvent, None]:
         try:
             if self.api == "chat":
                 async for event in self._chat(request):
@@ -101,7 +101,7 @@ class OpenAIModel:
             raise ModelError(f"the OpenAI call failed: {type(exc).__name__}: {exc}") from exc
         yield _responses_reply(final)
 
-    async def _chat(self, request: ModelRequest) -> AsyncIterator[ModelEvent]:
+    async def _chat(self, request: ModelRequest) -> AsyncGenerator[ModelEvent, None]:
         text: list[str] = []
         calls: dict[int, dict[str, str]] = {}
         usage = Usage()

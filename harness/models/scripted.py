@@ -4,7 +4,7 @@ model port, shipped in the package so apps and tests use the same one."""
 from __future__ import annotations
 
 import inspect
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 
 from harness.models.base import ModelEvent, ModelReply, ModelRequest, TextDelta, complete
 from harness.models.tokens import estimate_tokens, request_tokens
@@ -25,7 +25,7 @@ class ScriptedModel:
         self._chunk = chunk
         self.requests: list[ModelRequest] = []
 
-    async def stream(self, request: ModelRequest) -> AsyncIterator[ModelEvent]:
+    async def stream(self, request: ModelRequest) -> AsyncGenerator[ModelEvent, None]:
         reply = await self.reply(request)
         if self._chunk:
             for start in range(0, len(reply.text), self._chunk):

@@ -111,6 +111,7 @@ class AnthropicServer:
         self.headers: list[dict[str, str]] = []
         self.clients: list[Any] = []  # SDK clients made for this server, closed with it
         self.streaming = asyncio.Event()  # a text delta went out
+        self.requested = asyncio.Event()  # a request came in
         self.dropped = asyncio.Event()  # a stream ended before its end: the client closed it
         self.dropped_at = 0.0
         app = Starlette(routes=[Route("/v1/messages", self.messages, methods=["POST"])])
@@ -126,6 +127,7 @@ class AnthropicServer:
 
     async def messages(self, request: Request) -> Response:
         self.requests.append(json.loads(await request.body()))
+        self.requested.set()
         self.headers.append(dict(request.headers))
         if not self.replies:
             return JSONResponse({"type": "error", "error": {"type": "api_error", "message": "no reply scripted"}}, 500)

@@ -267,3 +267,18 @@ async def test_a_prompt_too_long_with_nothing_to_compact_fails_the_turn(
     _, result = await turn(h)
     assert result["status"] == "failed"
     assert result["events"][-1]["data"]["error"]["code"] == "model_context_length" and len(server.requests) == 1
+
+
+async def test_cancel_during_a_retry_backoff_ends_the_turn_without_another_attempt(
+    make_harness: Any, server: AnthropicServer
+) -> None:
+    limited = {"type": "rate_limit_error", "message": "slow down"}
+    server.replies = [Reply(status=429, error=limited, headers={"retry-after": "30"}), Reply([text("too late")])]
+    h = await make_harness(Agent(instructions="t", model=claude(server)))
+    sid = await h.create_session("o")
+    submitted = await h.submit(sid, "o", "hi")
+    await asyncio.wait_for(server.requested.wait(), 5)  # refused: the turn now waits 30 s to retry
+    await h.cancel(sid, "o")  # the turn is in its 30 s backoff
+    result = await h.wait_turn(submitted, 5)
+    assert result.status == "cancelled"
+    assert len(server.requests) == 1 and (await h.session(sid, "o")).usage["model_calls"] == 1
