@@ -77,6 +77,8 @@ class AnthropicModel:
                     if event.type == "text" and event.text:
                         yield TextDelta(event.text)
                 message = await stream.get_final_message()
+                if message.stop_reason is None:  # the stream ended before message_delta/message_stop
+                    raise unreachable("the Anthropic stream ended before the message was complete")
         except anthropic.APIStatusError as exc:
             raise from_status(
                 exc.status_code, _message(exc), kind=exc.type or "", headers=exc.response.headers
@@ -124,8 +126,8 @@ def _blocks(item: Item) -> list[dict[str, Any]]:
         if item.text:
             block["content"] = item.text
         return [block]
-    if item.role == "assistant":
-        out = list((item.provider or {}).get(PROVIDER, {}).get("thinking", []))
+    if item.role == "assistant":  # (thinking blocks copied: the stored item is never touched)
+        out = [dict(block) for block in (item.provider or {}).get(PROVIDER, {}).get("thinking", [])]
         if item.text:
             out.append({"type": "text", "text": item.text})
         out += [{"type": "tool_use", "id": c.id, "name": c.name, "input": c.arguments} for c in item.tool_calls]
@@ -135,7 +137,8 @@ def _blocks(item: Item) -> list[dict[str, Any]]:
 
 def _messages(items: list[Item]) -> tuple[list[dict[str, Any]], dict[int, tuple[int, int]]]:
     """The conversation as Messages API messages, and for each item the (message, block) of its
-    last block (where a cache breakpoint after it goes)."""
+    last block that may carry a cache breakpoint (not a thinking block, which goes back exactly
+    as it came)."""
     messages: list[dict[str, Any]] = []
     spots: dict[int, tuple[int, int]] = {}
     for n, item in enumerate(items):
@@ -147,5 +150,7 @@ def _messages(items: list[Item]) -> tuple[list[dict[str, Any]], dict[int, tuple[
             messages.append({"role": role, "content": []})
         content = messages[-1]["content"]
         content.extend(blocks)
-        spots[n] = (len(messages) - 1, len(content) - 1)
+        markable = [i for i, b in enumerate(blocks) if b["type"] not in ("thinking", "redacted_thinking")]
+        if markable:
+            spots[n] = (len(messages) - 1, len(content) - len(blocks) + markable[-1])
     return messages, spots

@@ -37,7 +37,7 @@ class OpenAIModel:
         max_output_tokens: int | None = None,
         reasoning: dict[str, Any] | None = None,
         connect_timeout: float = 10.0,
-        idle_timeout: float = 60.0,
+        idle_timeout: float = 300.0,  # (a reasoning model may say nothing for minutes)
     ) -> None:
         if api not in ("responses", "chat"):
             raise ValueError("api is 'responses' or 'chat'")
@@ -52,12 +52,7 @@ class OpenAIModel:
         """The request body for `request` (without `stream`)."""
         if self.api == "chat":
             return _chat_params(self.model, request, self.max_output_tokens)
-        params: dict[str, Any] = {
-            "model": self.model,
-            "input": _responses_input(request.messages),
-            "store": False,
-            "include": ["reasoning.encrypted_content"],
-        }
+        params: dict[str, Any] = {"model": self.model, "input": _responses_input(request.messages), "store": False}
         if request.system:
             params["instructions"] = request.system
         if request.tools:
@@ -69,8 +64,9 @@ class OpenAIModel:
             params["prompt_cache_key"] = request.session_id
         if self.max_output_tokens is not None:
             params["max_output_tokens"] = self.max_output_tokens
-        if self.reasoning is not None:
+        if self.reasoning is not None:  # (a model without reasoning refuses the include)
             params["reasoning"] = self.reasoning
+            params["include"] = ["reasoning.encrypted_content"]
         return params
 
     async def stream(self, request: ModelRequest) -> AsyncGenerator[ModelEvent, None]:
@@ -97,6 +93,9 @@ class OpenAIModel:
             raise timed_out(f"no reply from OpenAI in time: {type(exc).__name__}") from exc
         except (openai.APIConnectionError, httpx2.TransportError) as exc:
             raise unreachable(f"OpenAI is unreachable or the stream broke: {type(exc).__name__}: {exc}") from exc
+        except openai.APIError as exc:  # an error inside a stream that began with 200
+            kind = str(exc.code or exc.type or "server_error")
+            raise from_status(200, f"OpenAI failed the stream: {kind}: {exc.message}", kind=kind) from exc
         except openai.OpenAIError as exc:
             raise ModelError(f"the OpenAI call failed: {type(exc).__name__}: {exc}") from exc
         yield _responses_reply(final)
@@ -105,12 +104,14 @@ class OpenAIModel:
         text: list[str] = []
         calls: dict[int, dict[str, str]] = {}
         usage = Usage()
+        finished = False
         stream = await self.client.chat.completions.create(**self.params(request), stream=True)
         async with stream:
             async for chunk in stream:
                 if chunk.usage is not None:
                     usage = _chat_usage(chunk.usage)
                 for choice in chunk.choices:
+                    finished = finished or choice.finish_reason is not None
                     piece = choice.delta
                     if piece.content:
                         text.append(piece.content)
@@ -121,6 +122,8 @@ class OpenAIModel:
                         if call.function is not None:
                             slot["name"] += call.function.name or ""
                             slot["arguments"] += call.function.arguments or ""
+        if not finished:
+            raise unreachable("the Chat Completions stream ended before a finish_reason")
         tool_calls = [
             ToolCall(c["name"], _arguments(c["arguments"]), c["id"] or None) for _, c in sorted(calls.items())
         ]
@@ -136,7 +139,9 @@ def _responses_input(items: list[Item]) -> list[dict[str, Any]]:
         if item.role == "tool":
             out.append({"type": "function_call_output", "call_id": item.tool_call_id, "output": item.text})
         elif item.role == "assistant":
-            out.extend((item.provider or {}).get(PROVIDER, {}).get("reasoning", []))
+            if item.text or item.tool_calls:  # a reasoning item goes back only with what followed it
+                kept = (item.provider or {}).get(PROVIDER, {}).get("reasoning", [])
+                out.extend(r for r in kept if r.get("encrypted_content"))  # (stateless: only these resolve)
             if item.text:
                 content = [{"type": "output_text", "text": item.text, "annotations": []}]
                 out.append({"type": "message", "role": "assistant", "content": content})
@@ -193,7 +198,7 @@ def _chat_params(model: str, request: ModelRequest, max_tokens: int | None) -> d
         if item.role == "tool":
             messages.append({"role": "tool", "tool_call_id": item.tool_call_id, "content": item.text})
         elif item.role == "assistant":
-            message: dict[str, Any] = {"role": "assistant", "content": item.text or None}
+            message: dict[str, Any] = {"role": "assistant", "content": item.text}  # (a string, even empty)
             if item.tool_calls:
                 message["tool_calls"] = [
                     {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}

@@ -35,6 +35,7 @@ class Reply:
     cut_after: int | None = None  # close the connection after this many events
     idle_after: int | None = None  # send nothing more after this many events (connection kept open)
     error_event_after: int | None = None  # an `error` event (overloaded) after this many events
+    end_after: int | None = None  # end the response cleanly after this many events (no message_stop)
     hold: asyncio.Event | None = None  # wait for this before the first delta
     pace: float = 0.0  # seconds between events (a model that types slowly)
 
@@ -141,6 +142,9 @@ class AnthropicServer:
         finished = False
         try:
             for n, (name, data) in enumerate(events(reply)):
+                if n == reply.end_after:
+                    finished = True
+                    return
                 if n == reply.cut_after:
                     raise ConnectionResetError("cut by the test server")  # uvicorn drops the connection
                 if n == reply.idle_after:

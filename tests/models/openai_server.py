@@ -32,6 +32,7 @@ class Turn:
     hold: asyncio.Event | None = None  # wait for this before the first delta
     cut_after: int | None = None  # close the connection after this many deltas
     idle_after: int | None = None  # send nothing more after this many deltas (connection kept open)
+    finish: bool = True  # chat: end with a finish_reason, usage and [DONE] (else just stop)
 
 
 def sse(data: dict[str, Any] | str) -> bytes:
@@ -130,6 +131,8 @@ class OpenAIServer:
             first = {"index": n, "id": cid, "type": "function", "function": {"name": name, "arguments": raw[:3]}}
             yield sse(chunk({"tool_calls": [first]}))
             yield sse(chunk({"tool_calls": [{"index": n, "function": {"arguments": raw[3:]}}]}))
+        if not turn.finish:
+            return
         yield sse(chunk({}, "tool_calls" if turn.calls else "stop"))
         u = turn.usage
         usage = {

@@ -17,6 +17,8 @@ from harness import Agent, Harness, tool
 from harness.compaction import Compaction
 from harness.events import LiveEvent, StoredEvent
 from harness.models.anthropic import AnthropicModel
+from harness.models.base import ModelRequest
+from harness.types import Item
 from tests.models.anthropic_server import AnthropicServer, Reply, text, thinking, tool_use
 
 
@@ -166,8 +168,9 @@ async def test_a_rate_limit_is_retried_after_retry_after_and_both_attempts_count
         Reply(status=529, error={"type": "overloaded_error", "message": "Overloaded"}, headers={"retry-after": "0"}),
         Reply([text("partial words here")], error_event_after=4),
         Reply([text("partial words here")], cut_after=4),
+        Reply([text("partial words here")], end_after=5),
     ],
-    ids=["529", "error event mid-stream", "stream cut"],
+    ids=["529", "error event mid-stream", "stream cut", "stream ended early"],
 )
 async def test_failures_that_may_pass_are_retried_and_nothing_partial_is_stored(
     make_harness: Any, server: AnthropicServer, failure: Reply
@@ -282,3 +285,15 @@ async def test_cancel_during_a_retry_backoff_ends_the_turn_without_another_attem
     result = await h.wait_turn(submitted, 5)
     assert result.status == "cancelled"
     assert len(server.requests) == 1 and (await h.session(sid, "o")).usage["model_calls"] == 1
+
+
+def test_a_cache_breakpoint_never_lands_on_a_thinking_block_and_history_is_not_touched() -> None:
+    block = {"type": "thinking", "thinking": "hmm", "signature": "sig=="}
+    thought = Item(id="a1", role="assistant", provider={"anthropic": {"thinking": [block]}})
+    items = [Item(id="u1", role="user", text="hi"), thought, Item(id="u2", role="user", text="go on")]
+    model = AnthropicModel("claude-test", client=anthropic.AsyncAnthropic(api_key="k", base_url="http://127.0.0.1:9"))
+    params = model.params(ModelRequest("sys", (), items, cache_breakpoints=(0, 2)))
+    assert params["messages"][1]["content"] == [block]  # sent back exactly as it came, unmarked
+    assert block == {"type": "thinking", "thinking": "hmm", "signature": "sig=="}  # the stored one, untouched
+    marks = [b for m in params["messages"] for b in m["content"] if "cache_control" in b]
+    assert marks == []  # the item after which the mark belongs has nothing it may go on

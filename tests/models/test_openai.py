@@ -27,10 +27,10 @@ async def server() -> AsyncIterator[OpenAIServer]:
         yield s
 
 
-def gpt(server: OpenAIServer, api: str = "responses") -> OpenAIModel:
+def gpt(server: OpenAIServer, api: str = "responses", **kw: Any) -> OpenAIModel:
     client = openai.AsyncOpenAI(api_key="test-key", base_url=server.url)
     server.clients.append(client)
-    return OpenAIModel("gpt-test", client=client, api=api)  # type: ignore[arg-type]
+    return OpenAIModel("gpt-test", client=client, api=api, **kw)  # type: ignore[arg-type]
 
 
 async def turn(h: Harness, text: str = "hi") -> tuple[str, Any]:
@@ -45,7 +45,7 @@ async def test_responses_text_cache_key_and_usage(make_harness: Any, server: Ope
     assert result.status == "completed" and result.reply == "Hello from GPT."
     body = server.requests[0]
     assert body["stream"] is True and body["store"] is False and body["prompt_cache_key"] == sid
-    assert body["instructions"] == "Be brief." and body["include"] == ["reasoning.encrypted_content"]
+    assert body["instructions"] == "Be brief." and "include" not in body  # (a model without reasoning refuses it)
     assert body["tools"][0]["type"] == "function" and body["tools"][0]["name"] == "add"
     assert body["input"] == [{"role": "user", "content": "hi"}]
     (usage,) = [e["data"] for e in result.events if e["type"] == "usage.recorded"]
@@ -60,9 +60,11 @@ async def test_responses_tool_loop_sends_reasoning_back_with_keels_call_ids(
         Turn(calls=[("call_p1", "add", {"a": 2, "b": 3}), ("call_p2", "add", {"a": 4, "b": 4})], reasoning=[reasoning]),
         Turn("5 and 8."),
     ]
-    h = await make_harness(Agent(instructions="t", tools=[add], model=gpt(server)))
+    h = await make_harness(Agent(instructions="t", tools=[add], model=gpt(server, reasoning={"effort": "low"})))
     sid, result = await turn(h)
     assert result.status == "completed" and result.reply == "5 and 8."
+    first = server.requests[0]
+    assert first["reasoning"] == {"effort": "low"} and first["include"] == ["reasoning.encrypted_content"]
     calls = (await h.history(sid, "o"))[1].tool_calls
     sent = server.requests[1]["input"]
     assert sent[0] == {"role": "user", "content": "hi"}
@@ -138,3 +140,21 @@ async def test_a_context_length_error_with_nothing_to_compact_fails_the_turn(
     _, result = await turn(h)
     assert result.status == "failed"
     assert result.events[-1]["data"]["error"]["code"] == "model_context_length"
+
+
+async def test_reasoning_with_nothing_after_it_is_not_sent_back(make_harness: Any, server: OpenAIServer) -> None:
+    alone = {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "gAAAA-alone"}
+    server.turns = [Turn(reasoning=[alone]), Turn("second")]
+    h = await make_harness(Agent(instructions="t", model=gpt(server, reasoning={"effort": "low"})))
+    sid, first = await turn(h, "one")
+    assert first.status == "completed"
+    await h.wait_turn(await h.submit(sid, "o", "two"), 15)
+    # (OpenAI refuses a reasoning item without the item that followed it)
+    assert "gAAAA-alone" not in str(server.requests[1]["input"])
+
+
+async def test_a_chat_stream_without_a_finish_reason_is_retried(make_harness: Any, server: OpenAIServer) -> None:
+    server.turns = [Turn("half a sent", finish=False), Turn("whole")]
+    h = await make_harness(Agent(instructions="t", model=gpt(server, "chat")))
+    sid, result = await turn(h)
+    assert result.reply == "whole" and (await h.session(sid, "o")).usage["model_calls"] == 2
