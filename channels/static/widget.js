@@ -77,6 +77,7 @@
     const unacked = new Map(); // message_id -> frame, until its message.received arrives
     const nodes = new Map(); // item/call/request id -> element
     const completed = new Set(); // items whose message.completed came (their deltas are late)
+    const partial = new Set(); // items shown from deltas only: gone if their turn ends without them
     let lastId = null;
     let socket = null;
     let retry = 500;
@@ -174,6 +175,15 @@
       }
     }
 
+    function dropPartial() {
+      for (const id of partial) {
+        const node = nodes.get(id);
+        if (node) node.remove();
+        nodes.delete(id);
+      }
+      partial.clear();
+    }
+
     function render(ev) {
       const d = ev.data || {};
       switch (ev.type) {
@@ -193,6 +203,7 @@
             node = add(el("div", "keel-msg keel-assistant", ""), null);
             node.keelLength = 0;
             nodes.set(d.item_id, node);
+            partial.add(d.item_id);
           }
           if (d.offset === 0 && node.keelLength > 0) {
             node.textContent = ""; // a retried attempt streams the item again from the start
@@ -206,8 +217,12 @@
         }
         case "message.completed": {
           completed.add(d.item_id);
+          partial.delete(d.item_id);
           const node = nodes.get(d.item_id);
-          if (node) node.textContent = d.text;
+          if (node) {
+            node.textContent = d.text;
+            node.dataset.eventId = ev.id;
+          }
           else nodes.set(d.item_id, add(el("div", "keel-msg keel-assistant", d.text), ev.id));
           break;
         }
@@ -241,9 +256,11 @@
         case "turn.completed":
         case "turn.cancelled":
           think(false);
+          dropPartial();
           break;
         case "turn.failed":
           think(false);
+          dropPartial();
           add(el("div", "keel-error", (d.error && d.error.message) || "the turn failed"), ev.id);
           break;
         case "compaction.completed":

@@ -26,6 +26,7 @@ from harness.store.keys import CANCELS, SessionKeys, session_of
 
 log = logging.getLogger("keel.live")
 RETRY_S = 1.0
+FLUSH_WAIT_S = 1.0  # a commit waits at most this long for its deltas to be published
 
 
 class LiveRelay:
@@ -41,6 +42,8 @@ class LiveRelay:
         self._origin = os.urandom(8).hex().encode()
         self._outgoing: list[tuple[str, bytes]] = []
         self._flusher: asyncio.Task[None] | None = None
+        self._next: asyncio.Future[None] | None = None  # done when the batch being gathered is sent
+        self._sending: asyncio.Future[None] | None = None  # ... the batch being sent
         self._pubsub = redis.pubsub(ignore_subscribe_messages=True)
         self._readers: dict[str, int] = {}  # session -> readers here that want its live events
         self._dropped: set[str] = set()  # sessions whose channel is to be unsubscribed
@@ -68,35 +71,49 @@ class LiveRelay:
 
     def _queue(self, channel: str, data: bytes) -> None:
         self._outgoing.append((channel, data))
+        if self._next is None:
+            self._next = asyncio.get_running_loop().create_future()
         if self._flusher is None:
             self._flusher = asyncio.create_task(self._flush())
 
     async def flush(self) -> None:
-        """Return once what `send` was given so far has been published (or failed to be)."""
-        if self._flusher is not None:
-            await asyncio.shield(self._flusher)
+        """Return once what was handed over so far has been published (or failed to be), or
+        after FLUSH_WAIT_S: it waits for the batch holding the caller's last event, not for
+        what others send after it."""
+        batch = self._next or self._sending
+        if batch is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(batch), FLUSH_WAIT_S)
 
     async def _flush(self) -> None:
         try:
             while self._outgoing:
                 batch, self._outgoing = self._outgoing, []
-                # one message per channel: a session's live events of this batch, a line each
-                # (an envelope has no raw newline); every cancel notice on its own
-                lines: dict[str, list[bytes]] = {}
-                async with self._redis.pipeline(transaction=False) as pipe:
-                    for channel, data in batch:
-                        if channel == CANCELS:
-                            pipe.publish(channel, self._origin + b" " + data)
-                        else:
-                            lines.setdefault(channel, []).append(data)
-                    for channel, events in lines.items():
-                        pipe.publish(channel, self._origin + b" " + b"\n".join(events))
-                    await pipe.execute()
-        except Exception as exc:  # Redis away: those live events are lost, as documented
-            log.warning("live events not published: %s", type(exc).__name__)
-            self._outgoing.clear()
+                self._sending, self._next = self._next, None
+                try:
+                    await self._publish(batch)
+                except Exception as exc:  # Redis away: those live events are lost, as documented
+                    log.warning("live events not published: %s", type(exc).__name__)
+                finally:
+                    if self._sending is not None and not self._sending.done():
+                        self._sending.set_result(None)
+                    self._sending = None
         finally:
             self._flusher = None
+
+    async def _publish(self, batch: list[tuple[str, bytes]]) -> None:
+        """One message per channel: a session's live events of this batch, a line each (an
+        envelope has no raw newline); every cancel notice on its own."""
+        lines: dict[str, list[bytes]] = {}
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for channel, data in batch:
+                if channel == CANCELS:
+                    pipe.publish(channel, self._origin + b" " + data)
+                else:
+                    lines.setdefault(channel, []).append(data)
+            for channel, events in lines.items():
+                pipe.publish(channel, self._origin + b" " + b"\n".join(events))
+            await pipe.execute()
 
     # ---- in ----------------------------------------------------------------------------
 
@@ -127,10 +144,14 @@ class LiveRelay:
         while True:
             try:
                 if self._dropped:
-                    gone = [SessionKeys(s).live for s in self._dropped if s not in self._readers]
-                    self._dropped.clear()
-                    if gone:
-                        await self._pubsub.unsubscribe(*gone)
+                    dropped, self._dropped = self._dropped, set()
+                    gone = [SessionKeys(s).live for s in dropped if s not in self._readers]
+                    try:
+                        if gone:
+                            await self._pubsub.unsubscribe(*gone)
+                    except Exception:
+                        self._dropped |= dropped  # (tried again when Redis is back)
+                        raise
                 message = await self._pubsub.get_message(timeout=1.0)
                 if message is None or message.get("type") != "message":
                     continue

@@ -185,3 +185,20 @@ async def test_a_streamed_reply_shows_as_it_comes_then_as_committed(browser: Bro
     await expect(reply).to_have_text(["Hello world"])  # one node: the deltas, then message.completed
     await no_duplicates(page)
     await context.close()
+
+
+async def test_the_partial_text_of_a_cancelled_reply_goes_away(browser: Browser, serve: Any) -> None:
+    model = Typing()
+    live = await serve(Agent(instructions="t", model=model), demo_page=True)
+    context = await browser.new_context(base_url=live.base)
+    page = await context.new_page()
+    await page.goto("/")
+    await expect(page.locator("#assistant")).to_have_attribute("data-keel-status", "connected", timeout=10_000)
+    await say(page, "greet me")
+    reply = page.locator(".keel-assistant")
+    await expect(reply).to_have_text(["Hello"])
+    sid = await page.evaluate("window.keelDemo.session")
+    async with live.client() as c:
+        assert (await c.post(f"/v1/sessions/{sid}/cancel")).status_code == 202
+    await expect(reply).to_have_count(0)  # the turn ended without it: nothing of it stays shown
+    await context.close()
