@@ -35,7 +35,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import msgspec
 import uvicorn
@@ -46,7 +46,6 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from support import (  # the sibling module: this file runs as a script
     HOST,
-    READY_TIMEOUT_S,
     BenchError,
     Conn,
     Deadline,
@@ -54,10 +53,14 @@ from support import (  # the sibling module: this file runs as a script
     cpu_seconds,
     free_port,
     log_tail,
+    new_loop,
+    on_signal,
     percentile,
+    positive,
     server_env,
     start_valkey,
     stop_process,
+    wait_ready,
 )
 
 AGENT = "deploy.bench.agents:agent"
@@ -126,26 +129,6 @@ _bare_ids = iter(range(10**9))
 
 async def bare_session(conn: Conn) -> str:
     return f"b{os.getpid()}-{next(_bare_ids)}"
-
-
-async def wait_ready(server: Server, deadline: Deadline) -> None:
-    end = time.monotonic() + deadline.left(READY_TIMEOUT_S)
-    last = "no answer"
-    while time.monotonic() < end:
-        server.check_alive()
-        try:
-            conn = await asyncio.wait_for(Conn.open(server.port), 1.0)
-            try:
-                status, body = await asyncio.wait_for(conn.request("GET", "/readyz"), 2.0)
-            finally:
-                await conn.close()
-            if status == 200:
-                return
-            last = f"{status} {body[:200]!r}"
-        except (OSError, TimeoutError, asyncio.IncompleteReadError) as exc:
-            last = f"{type(exc).__name__}: {exc}"
-        await asyncio.sleep(0.1)
-    raise BenchError(f"{server.name} was not ready within {READY_TIMEOUT_S:.0f} s ({last}):\n{log_tail(server.log)}")
 
 
 # ---- measurements ------------------------------------------------------------------------
@@ -392,13 +375,6 @@ def serve_bare(port: int, redis_port: int) -> None:
 # ---- main --------------------------------------------------------------------------------
 
 
-def positive(raw: str) -> int:
-    value = int(raw)
-    if value < 1:
-        raise argparse.ArgumentTypeError("must be at least 1")
-    return value
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     ap.add_argument("--turns", type=positive, default=300, help="timed sequential turns (default 300)")
@@ -412,19 +388,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.turns > 100_000 or args.sessions > 2_000 or args.rounds > 100:
         ap.error("keep --turns <= 100000, --sessions <= 2000 and --rounds <= 100")
     return args
-
-
-def _on_signal(signum: int, frame: object) -> NoReturn:
-    raise SystemExit(128 + signum)
-
-
-def new_loop() -> asyncio.AbstractEventLoop:
-    """uvloop when installed (as uvicorn uses): the client's own CPU cost matters on a small machine."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.new_event_loop()
-    return uvloop.new_event_loop()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -472,8 +435,8 @@ def main() -> int:
             return 2
         serve_bare(args.port, args.redis_port)
         return 0
-    signal.signal(signal.SIGTERM, _on_signal)
-    signal.signal(signal.SIGHUP, _on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGHUP, on_signal)
     return run(args)
 
 

@@ -50,7 +50,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import msgspec
 import uvicorn
@@ -61,7 +61,6 @@ from starlette.routing import BaseRoute, Route, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 from support import (  # the sibling module: this file runs as a script
     HOST,
-    READY_TIMEOUT_S,
     BenchError,
     Conn,
     Deadline,
@@ -69,10 +68,14 @@ from support import (  # the sibling module: this file runs as a script
     cpu_seconds,
     free_port,
     log_tail,
+    new_loop,
+    on_signal,
     percentile,
+    positive,
     server_env,
     start_valkey,
     stop_process,
+    wait_ready,
 )
 from websockets.asyncio.client import ClientConnection, connect
 
@@ -504,27 +507,6 @@ async def bounded(variant: Variant, deadline: Deadline, cap: float) -> AsyncIter
         raise
 
 
-async def wait_ready(server: Server, deadline: Deadline) -> None:
-    budget = deadline.left(READY_TIMEOUT_S)
-    end = time.monotonic() + budget
-    last = "no answer"
-    while time.monotonic() < end:
-        server.check_alive()
-        try:
-            conn = await asyncio.wait_for(Conn.open(server.port), 1.0)
-            try:
-                status, body = await asyncio.wait_for(conn.request("GET", "/readyz"), 2.0)
-            finally:
-                await conn.close()
-            if status == 200:
-                return
-            last = f"{status} {body[:200]!r}"
-        except (OSError, TimeoutError, asyncio.IncompleteReadError) as exc:
-            last = f"{type(exc).__name__}: {exc}"
-        await asyncio.sleep(0.1)
-    raise BenchError(f"{server.name} was not ready within {budget:.1f} s ({last}):\n{log_tail(server.log)}")
-
-
 async def run_variant(variant: Variant, valkey_pid: int, args: argparse.Namespace) -> dict[str, Any]:
     deadline: Deadline = args.deadline_obj
     port = variant.server.port
@@ -649,13 +631,6 @@ def report(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> dict
 # ---- main --------------------------------------------------------------------------------
 
 
-def positive(raw: str) -> int:
-    value = int(raw)
-    if value < 1:
-        raise argparse.ArgumentTypeError("must be at least 1")
-    return value
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     ap.add_argument("--turns", type=positive, default=20, help="timed turns per variant (default 20)")
@@ -669,19 +644,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.turns > 10_000 or not 0 <= args.warmup <= 1_000:
         ap.error("keep --turns <= 10000 and 0 <= --warmup <= 1000")
     return args
-
-
-def _on_signal(signum: int, frame: object) -> NoReturn:
-    raise SystemExit(128 + signum)
-
-
-def new_loop() -> asyncio.AbstractEventLoop:
-    """uvloop when installed (as uvicorn uses): the client's own CPU cost matters on a small machine."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.new_event_loop()
-    return uvloop.new_event_loop()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -739,8 +701,8 @@ def main() -> int:
             return 2
         serve(provider_app() if args.serve_provider else bare_app(args.provider_port), args.port)
         return 0
-    signal.signal(signal.SIGTERM, _on_signal)
-    signal.signal(signal.SIGHUP, _on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGHUP, on_signal)
     return run(args)
 
 

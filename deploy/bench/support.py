@@ -4,6 +4,7 @@ timing helpers. Every wait is bounded."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
 import socket
@@ -12,6 +13,7 @@ import time
 from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 REPO = Path(__file__).resolve().parents[2]
 HOST = "127.0.0.1"
@@ -203,3 +205,47 @@ class Conn:
         self._w.close()
         with suppress(OSError):
             await self._w.wait_closed()
+
+
+# ---- shared by the benchmark scripts -----------------------------------------------------
+
+
+def positive(raw: str) -> int:
+    value = int(raw)
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return value
+
+
+def on_signal(signum: int, frame: object) -> NoReturn:
+    raise SystemExit(128 + signum)
+
+
+def new_loop() -> asyncio.AbstractEventLoop:
+    """uvloop when installed (as uvicorn uses): the client's own CPU cost matters on a small machine."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
+async def wait_ready(server: Server, deadline: Deadline) -> None:
+    budget = deadline.left(READY_TIMEOUT_S)
+    end = time.monotonic() + budget
+    last = "no answer"
+    while time.monotonic() < end:
+        server.check_alive()
+        try:
+            conn = await asyncio.wait_for(Conn.open(server.port), 1.0)
+            try:
+                status, body = await asyncio.wait_for(conn.request("GET", "/readyz"), 2.0)
+            finally:
+                await conn.close()
+            if status == 200:
+                return
+            last = f"{status} {body[:200]!r}"
+        except (OSError, TimeoutError, asyncio.IncompleteReadError) as exc:
+            last = f"{type(exc).__name__}: {exc}"
+        await asyncio.sleep(0.1)
+    raise BenchError(f"{server.name} was not ready within {budget:.1f} s ({last}):\n{log_tail(server.log)}")
