@@ -3,7 +3,8 @@ as live `message.delta` events, a failed attempt recorded, and one that may succ
 limit, an overloaded or unreachable provider, a cut or idle stream) tried again after an
 exponential backoff with jitter, or after the provider's `retry-after`, up to
 `Agent.model_retries` more times. The retries are keel's: provider clients are made with theirs
-off, so every attempt is counted and shown."""
+off, so every attempt is counted and shown. A cancel of the turn (`interrupt`) closes the
+provider's stream or ends the backoff at once, and no further attempt is made."""
 
 from __future__ import annotations
 
@@ -40,8 +41,8 @@ def backoff(retry: int, retry_after: float | None) -> float:
 
 
 class Interrupted(Exception):
-    """The turn was cancelled while the model streamed: the stream was closed, and the turn ends
-    cancelled (a signal, not a failure)."""
+    """The turn was cancelled during the model call (its stream closed, or its backoff ended):
+    the turn ends cancelled (a signal, not a failure)."""
 
 
 def as_model_error(exc: Exception) -> ModelError:
