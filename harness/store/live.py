@@ -47,6 +47,7 @@ class LiveRelay:
         self._pubsub = redis.pubsub(ignore_subscribe_messages=True)
         self._readers: dict[str, int] = {}  # session -> readers here that want its live events
         self._dropped: set[str] = set()  # sessions whose channel is to be unsubscribed
+        self._subscribing: set[asyncio.Task[None]] = set()
         self._listener: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -54,7 +55,7 @@ class LiveRelay:
             self._listener = asyncio.create_task(self._listen(), name="keel-live-listener")
 
     async def stop(self) -> None:
-        await cancel_and_wait(t for t in (self._listener, self._flusher) if t is not None)
+        await cancel_and_wait(t for t in (self._listener, self._flusher, *self._subscribing) if t is not None)
         self._listener = self._flusher = None
         with contextlib.suppress(Exception):
             await self._pubsub.aclose()  # type: ignore[no-untyped-call]
@@ -118,10 +119,15 @@ class LiveRelay:
     # ---- in ----------------------------------------------------------------------------
 
     async def follow(self, sid: str) -> None:
-        """A reader of `sid` opened here: subscribe to its channel (if it is the first)."""
+        """A reader of `sid` opened here: subscribe to its channel (if it is the first). The
+        SUBSCRIBE runs in a task of its own: redis-py sends it inside `wait_for`, which on
+        Python 3.11 can swallow a cancellation of the reader that arrives meanwhile."""
         self._readers[sid] = self._readers.get(sid, 0) + 1
         if self._readers[sid] == 1:
-            await self._subscribe([SessionKeys(sid).live])
+            task = asyncio.ensure_future(self._subscribe([SessionKeys(sid).live]))
+            self._subscribing.add(task)
+            task.add_done_callback(self._subscribing.discard)
+            await asyncio.shield(task)
 
     def unfollow(self, sid: str) -> None:
         """The reader went: the listener unsubscribes from the channel of a session that has no

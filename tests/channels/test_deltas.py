@@ -131,3 +131,22 @@ async def test_a_reader_in_another_process_gets_the_deltas(make_harness: Any, re
     stored = await runner.store.events(sid, "0-0")
     assert "message.delta" not in {e.type for e in stored}
     assert [i.text for i in await runner.history(sid, "o")] == ["hi", REPLY]
+
+
+async def test_a_reader_cancelled_while_it_subscribes_ends(make_harness: Any) -> None:
+    """redis-py sends SUBSCRIBE inside wait_for, which on Python 3.11 can swallow a cancellation:
+    a reader cancelled at any moment of its opening must still end."""
+    h = await make_harness(streaming_agent(), run_turns=False)
+    sid = await h.create_session("o")
+
+    async def read() -> None:
+        async for _ in h.tail(sid, "0-0", heartbeat=5):
+            pass
+
+    for steps in range(8):  # cancel after 0, 1, 2, ... turns of the event loop
+        reader = asyncio.create_task(read())
+        for _ in range(steps):
+            await asyncio.sleep(0)
+        reader.cancel()
+        done, _ = await asyncio.wait([reader], timeout=2)
+        assert done, f"a reader cancelled {steps} loop turns after it opened ran on"
