@@ -282,13 +282,13 @@ class Harness:
         check_session_id(sid)
         await self.store.meta(sid, owner)
 
-    async def tail(
+    def tail(
         self, sid: str, after: str, *, heartbeat: float, gate: asyncio.Semaphore | None = None
     ) -> AsyncIterator[StoredEvent | LiveEvent | None]:
         """Committed events after `after`, then new ones as they come, with live events
-        (`Outbox.tail`). The caller checks ownership first."""
-        async for event in self.outbox.tail(sid, after, heartbeat=heartbeat, gate=gate):
-            yield event
+        (`Outbox.tail` itself: no generator layer of its own on every event's path). The caller
+        checks ownership first."""
+        return self.outbox.tail(sid, after, heartbeat=heartbeat, gate=gate)
 
     async def wait_turn(self, result: SubmitResult, timeout: float) -> TurnResult:
         """Wait until the message's turn settles; returns its events (from message.received on)."""

@@ -32,7 +32,7 @@ FLAGS = [
 ]
 
 try:
-    from playwright.async_api import Browser, Page, async_playwright, expect
+    from playwright.async_api import Browser, BrowserContext, Page, async_playwright, expect
 except ImportError:  # pragma: no cover
     pytest.skip("playwright is not installed (make install adds it)", allow_module_level=True)
 if not os.path.exists(CHROMIUM):
@@ -170,13 +170,19 @@ class Typing:
         yield ModelReply(text="Hello world")
 
 
-async def test_a_streamed_reply_shows_as_it_comes_then_as_committed(browser: Browser, serve: Any) -> None:
-    model = Typing()
+async def typing_page(browser: Browser, serve: Any, model: Typing) -> tuple[Any, BrowserContext, Page]:
+    """The demo page, connected, on an agent whose model is `model`."""
     live = await serve(Agent(instructions="t", model=model), demo_page=True)
     context = await browser.new_context(base_url=live.base)
     page = await context.new_page()
     await page.goto("/")
     await expect(page.locator("#assistant")).to_have_attribute("data-keel-status", "connected", timeout=10_000)
+    return live, context, page
+
+
+async def test_a_streamed_reply_shows_as_it_comes_then_as_committed(browser: Browser, serve: Any) -> None:
+    model = Typing()
+    _, context, page = await typing_page(browser, serve, model)
     await say(page, "greet me")
     reply = page.locator(".keel-assistant")
     await expect(reply).to_have_text(["Hello"])  # the first two deltas, shown before the reply is done
@@ -189,11 +195,7 @@ async def test_a_streamed_reply_shows_as_it_comes_then_as_committed(browser: Bro
 
 async def test_the_partial_text_of_a_cancelled_reply_goes_away(browser: Browser, serve: Any) -> None:
     model = Typing()
-    live = await serve(Agent(instructions="t", model=model), demo_page=True)
-    context = await browser.new_context(base_url=live.base)
-    page = await context.new_page()
-    await page.goto("/")
-    await expect(page.locator("#assistant")).to_have_attribute("data-keel-status", "connected", timeout=10_000)
+    live, context, page = await typing_page(browser, serve, model)
     await say(page, "greet me")
     reply = page.locator(".keel-assistant")
     await expect(reply).to_have_text(["Hello"])
