@@ -18,6 +18,8 @@ from channels.auth import ApiKeyAuth
 from channels.errors import http_error_handler, keel_error_handler
 from channels.routes import routes
 from channels.tokens import TokenSigner
+from channels.webhooks.base import WebhookChannel
+from channels.webhooks.slack import SlackChannel, SlackConfig
 from channels.websocket import WsConfig, WsStats
 from harness import Agent, Harness
 from harness.errors import KeelError
@@ -58,6 +60,17 @@ def build_harness(
     )
 
 
+def webhook_channels(settings: Settings) -> list[WebhookChannel]:
+    """The webhook channels whose settings are present."""
+    channels: list[WebhookChannel] = []
+    if settings.slack_signing_secret and settings.slack_bot_token:
+        config = SlackConfig(
+            settings.slack_signing_secret, settings.slack_bot_token, settings.slack_api_url, settings.slack_approvers
+        )
+        channels.append(SlackChannel(config))
+    return channels
+
+
 def create_app(
     settings: Settings | None = None, *, redis_url: str | None = None, agent: Agent | None = None
 ) -> Starlette:
@@ -66,6 +79,7 @@ def create_app(
     if url is None:
         raise ValueError("create_app needs a Redis URL (python -m app starts the embedded one)")
     the_agent = agent or load_agent(settings.agent)
+    hooks = webhook_channels(settings)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -74,14 +88,22 @@ def create_app(
         app.state.harness = harness
         secret = settings.token_secret.encode() if settings.token_secret else await harness.shared_secret()
         app.state.tokens = TokenSigner(secret, settings.token_ttl)
+        for channel in hooks:
+            await channel.start()
+        if hooks:
+            await harness.start_relay([channel.destination for channel in hooks])
         try:
             yield
         finally:
             await harness.stop()
+            for channel in hooks:
+                await channel.stop()
 
     app = Starlette(
-        routes=routes(demo_folder=Path(__file__).parent / "static" if settings.demo_page else None),
-        middleware=[Middleware(ApiKeyAuth, keys=settings.api_keys)],
+        routes=routes(demo_folder=Path(__file__).parent / "static" if settings.demo_page else None, webhooks=hooks),
+        middleware=[
+            Middleware(ApiKeyAuth, keys=settings.api_keys, open_paths=[p for c in hooks for p, _ in c.routes()])
+        ],
         exception_handlers={
             KeelError: keel_error_handler,
             HTTPException: http_error_handler,

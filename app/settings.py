@@ -51,6 +51,13 @@ def _flag(env: dict[str, str], name: str, *, default: bool) -> bool:
     return raw in ("1", "true")
 
 
+def _url(env: dict[str, str], name: str, default: str) -> str:
+    raw = env.get(name) or default
+    if not raw.startswith(("https://", "http://")):
+        raise SettingsError(f"{name} must be an http(s) URL, not {raw!r}")
+    return raw if raw.endswith("/") else raw + "/"
+
+
 def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -85,6 +92,10 @@ class Settings:
     token_secret: str | None = field(default=None, repr=False)
     token_ttl: int = 900
     demo_page: bool = True
+    slack_signing_secret: str | None = field(default=None, repr=False)
+    slack_bot_token: str | None = field(default=None, repr=False)
+    slack_api_url: str = "https://slack.com/api/"
+    slack_approvers: frozenset[str] = frozenset()
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> Settings:
@@ -114,7 +125,13 @@ class Settings:
             token_secret=env.get("KEEL_TOKEN_SECRET") or None,
             token_ttl=_int(env, "KEEL_TOKEN_TTL", 900, low=10),
             demo_page=_flag(env, "KEEL_DEMO_PAGE", default=not keys),
+            slack_signing_secret=env.get("SLACK_SIGNING_SECRET") or None,
+            slack_bot_token=env.get("SLACK_BOT_TOKEN") or None,
+            slack_api_url=_url(env, "KEEL_SLACK_API_URL", "https://slack.com/api/"),
+            slack_approvers=frozenset(u.strip() for u in env.get("KEEL_SLACK_APPROVERS", "").split(",") if u.strip()),
         )
+        if bool(settings.slack_signing_secret) != bool(settings.slack_bot_token):
+            raise SettingsError("the Slack channel needs both SLACK_SIGNING_SECRET and SLACK_BOT_TOKEN")
         if settings.model is not None:
             try:
                 check_model(settings.model, env)

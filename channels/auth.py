@@ -23,9 +23,10 @@ def owner_of(key: str) -> str:
 
 
 class ApiKeyAuth:
-    def __init__(self, app: ASGIApp, keys: Iterable[str]) -> None:
+    def __init__(self, app: ASGIApp, keys: Iterable[str], open_paths: Iterable[str] = ()) -> None:
         self.app = app
         self._digests = [hashlib.sha256(k.encode()).digest() for k in keys if k]
+        self._open = frozenset(open_paths)  # webhook routes: the provider's signature is their credential
 
     def identify(self, header: bytes | None) -> str | None:
         """The owner for an Authorization header, or None. Compares against every key in
@@ -42,7 +43,8 @@ class ApiKeyAuth:
         return owner_of(given.decode("utf-8", "replace")) if found else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] not in ("http", "websocket") or not scope["path"].startswith("/v1/"):
+        path = scope.get("path", "")
+        if scope["type"] not in ("http", "websocket") or not path.startswith("/v1/") or path in self._open:
             await self.app(scope, receive, send)
             return
         header = next((v for k, v in scope["headers"] if k == b"authorization"), None)

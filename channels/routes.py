@@ -3,6 +3,7 @@ the channel modules (none of which imports another's routes)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from starlette.routing import BaseRoute, Route, WebSocketRoute
@@ -10,12 +11,20 @@ from starlette.routing import BaseRoute, Route, WebSocketRoute
 from channels import http
 from channels.sse import stream_events
 from channels.static import demo_routes, widget_routes
+from channels.webhooks.base import WebhookChannel, endpoint
 from channels.websocket import session_socket
 
 
-def routes(*, demo_folder: Path | None = None) -> list[BaseRoute]:
-    """The API, the widget script, and the demo page from `demo_folder` when given."""
+def routes(*, demo_folder: Path | None = None, webhooks: Sequence[WebhookChannel] = ()) -> list[BaseRoute]:
+    """The API, the webhook channels' routes, the widget script, and the demo page from
+    `demo_folder` when given."""
+    hooks: list[BaseRoute] = [
+        Route(path, endpoint(channel, name), methods=["POST"])
+        for channel in webhooks
+        for path, name in channel.routes()
+    ]
     return [
+        *hooks,
         Route("/healthz", http.healthz, methods=["GET"]),
         Route("/readyz", http.readyz, methods=["GET"]),
         Route("/v1/sessions", http.create_session, methods=["POST"]),

@@ -8,7 +8,9 @@ Points: step.before_commit, step.after_commit (committed, nothing published yet)
 outbox.after_publish (the first event of a commit written to a client), response.after_accept
 (an answer accepted, the resume not yet started), tool.after_run (a tool returned, its result not
 committed), compaction.before_commit (a summary returned, the compacted history not committed),
-model.mid_stream (a model call's first text delta went out, the rest of the stream not read)."""
+model.mid_stream (a model call's first text delta went out, the rest of the stream not read),
+relay.before_send (the delivery relay marked a post in doubt, not made yet), relay.after_send
+(the relay made a post, its cursor not moved)."""
 
 from __future__ import annotations
 
@@ -24,6 +26,8 @@ NAMES = frozenset(
         "tool.after_run",
         "compaction.before_commit",
         "model.mid_stream",
+        "relay.before_send",
+        "relay.after_send",
     }
 )
 

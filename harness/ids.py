@@ -59,3 +59,11 @@ def stream_key(eid: str) -> tuple[int, int]:
     """A Redis stream id as (ms, seq), for comparing: stream ids never compare as strings."""
     ms, _, seq = eid.partition("-")
     return int(ms), int(seq or 0)
+
+
+def just_before(eid: str) -> str:
+    """The stream id just before `eid`, so a read 'after' it includes `eid` itself."""
+    ms, seq = stream_key(eid)
+    if seq > 0:
+        return f"{ms}-{seq - 1}"
+    return f"{ms - 1}-{2**64 - 1}" if ms > 0 else "0-0"

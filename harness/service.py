@@ -13,7 +13,8 @@ from harness.agent import Agent
 from harness.context import split_context
 from harness.errors import Conflict, InvalidInput, NotFound
 from harness.events import LiveEvent, StoredEvent, decode_data
-from harness.ids import new_id, stream_key
+from harness.ids import just_before, new_id, stream_key
+from harness.relay import Destination, Relay
 from harness.runner import Runner
 from harness.store import EventHub, JobQueue, Outbox, Redis, Responded, Store, Submitted, Watch, connect
 from harness.types import (
@@ -74,6 +75,8 @@ class Harness:
         self.hub = EventHub(redis, runs_here=self._runs_here, cancelled=self._interrupt)
         self.outbox = Outbox(self.store, self.hub)
         self._owns_redis = False
+        self.lease_ms = lease_ms
+        self.relay: Relay | None = None
         if run_turns:
             self.runner = Runner(
                 self.store,
@@ -110,7 +113,16 @@ class Harness:
         if self.runner is not None:
             self.runner.start()
 
+    async def start_relay(self, destinations: list[Destination], **options: Any) -> Relay:
+        """Deliver committed events to these destinations (webhook channels) from this process
+        (every process that serves a channel may: one relay per session at a time)."""
+        self.relay = Relay(self.store, self.outbox, destinations, lease_ms=self.lease_ms, **options)
+        await self.relay.start()
+        return self.relay
+
     async def stop(self) -> None:
+        if self.relay is not None:
+            await self.relay.stop()
         if self.runner is not None:
             await self.runner.stop()
         await self.hub.stop()
@@ -130,9 +142,21 @@ class Harness:
         return sid
 
     async def submit(
-        self, sid: str, owner: str, text: str, context: PageContext = None, message_id: str | None = None
+        self,
+        sid: str,
+        owner: str,
+        text: str,
+        context: PageContext = None,
+        message_id: str | None = None,
+        *,
+        author: str = "",
+        create: dict[str, Any] | None = None,
+        deliver_to: str | None = None,
     ) -> SubmitResult:
-        """Queue a user message; one turn per distinct message_id. Returns once it is durable."""
+        """Queue a user message; one turn per distinct message_id. Returns once it is durable.
+        A webhook channel names the `author`, may have the session made on its first message
+        (`create`: its metadata) and has the delivery relay told (`deliver_to`: its
+        destination), all in the same round trip."""
         check_session_id(sid)
         if message_id is None:
             message_id = new_id("msg")
@@ -142,22 +166,24 @@ class Harness:
             )
         turn_only, sticky = split_context(context)
         message = InboxMessage(
-            message_id=message_id, turn_id=new_id("turn"), text=text, context=turn_only, sticky=sticky
+            message_id=message_id, turn_id=new_id("turn"), text=text, context=turn_only, sticky=sticky, author=author
         )
+        how: dict[str, Any] = {"create": create, "deliver_to": deliver_to}
         # A process that runs turns, and runs none of this session's now, lets SUBMIT begin the
         # turn too (one round trip less); the session is held meanwhile, so that its job coming
         # back off the stream cannot start a second drain.
         runner = self.runner
         if runner is not None and await runner.reserve(sid):
             # Shielded: a caller cancelled after SUBMIT began the turn must not strand its lease.
-            submitted = await asyncio.shield(self._submit_reserved(runner, sid, owner, message))
+            submitted = await asyncio.shield(self._submit_reserved(runner, sid, owner, message, how))
         else:
-            submitted = await self.store.submit(sid, owner, message)
+            submitted = await self.store.submit(sid, owner, message, **how)
             if runner is not None:
                 runner.kick(sid, submitted.job_id)
         duplicate, turn_id, received_id, received = submitted[:4]
         if received is not None:
-            self.hub.publish(sid, [received], settled=False)
+            made = [submitted.created, received] if submitted.created is not None else [received]
+            self.hub.publish(sid, made, settled=False)
         return SubmitResult(
             session_id=sid,
             message_id=message_id,
@@ -167,20 +193,34 @@ class Harness:
             received_seq=received.seq if received is not None else 0,
         )
 
-    async def _submit_reserved(self, runner: Runner, sid: str, owner: str, message: InboxMessage) -> Submitted:
+    async def _submit_reserved(
+        self, runner: Runner, sid: str, owner: str, message: InboxMessage, how: dict[str, Any]
+    ) -> Submitted:
         """SUBMIT that may begin the turn, then the runner runs what it began (or drains as
         usual); the reservation is given back whatever happens."""
         try:
-            submitted = await self.store.submit(sid, owner, message, begin_lease_ms=runner.lease_ms)
+            submitted = await self.store.submit(sid, owner, message, begin_lease_ms=runner.lease_ms, **how)
         except BaseException:
             runner.adopt(sid, None, None)
             raise
         runner.adopt(sid, submitted.job_id, submitted.began)
         return submitted
 
-    async def respond(self, sid: str, owner: str, request_id: str, decision: str, reason: str = "") -> Responded:
+    async def respond(
+        self,
+        sid: str,
+        owner: str,
+        request_id: str,
+        decision: str,
+        reason: str = "",
+        *,
+        by: str = "",
+        deliver_to: str | None = None,
+    ) -> Responded:
         """Answer an approval request. An answer is recorded once: the same answer again is
-        accepted (and makes sure the turn resumes), a different one is a Conflict."""
+        accepted (and makes sure the turn resumes), a different one is a Conflict. A webhook
+        channel names who answered (`by`) and has the relay told (`deliver_to`); its answer,
+        the session's job and the relay's job are then one round trip."""
         check_session_id(sid)
         if decision not in ("approve", "deny"):
             raise InvalidInput("decision must be approve or deny", code="invalid_decision")
@@ -188,21 +228,21 @@ class Harness:
             raise InvalidInput(f"reason is longer than {MAX_REASON} characters")
         if not MESSAGE_ID.match(request_id):
             raise NotFound(f"no approval request {request_id[:64]} in session {sid}", code="request_not_found")
-        answer = Answer(decision, reason)  # type: ignore[arg-type]
-        res = await self.store.respond(sid, owner, request_id, answer)
+        answer = Answer(decision, reason, by)  # type: ignore[arg-type]
+        res = await self.store.respond(sid, owner, request_id, answer, deliver_to=deliver_to)
         if res.recorded:
             self.hub.publish(sid, [res.event] if res.event is not None else [], settled=False)
             failpoints.reached("response.after_accept")
             if res.runnable:
-                await self._wake(sid)
+                await self._wake(sid, res.job_id)
         elif res.answer.decision != decision:
             raise Conflict(
                 f"request {request_id} was already answered: {res.answer.decision}",
                 code="already_answered",
                 details={"decision": res.answer.decision},
             )
-        else:
-            await self._wake(sid)  # a repeat: the first one may have died before it woke the turn
+        else:  # a repeat: the first one may have died before it woke the turn
+            await self._wake(sid, res.job_id)
         return res
 
     async def cancel(self, sid: str, owner: str, turn_id: str | None = None) -> str:
@@ -235,9 +275,11 @@ class Harness:
             self.runner.kick(sid, job_id)
         return op_id
 
-    async def _wake(self, sid: str) -> None:
-        """Queue a job for the session (and run it here at once, if this process runs turns)."""
-        job_id = await self.store.add_job(sid)
+    async def _wake(self, sid: str, job_id: str | None = None) -> None:
+        """Queue a job for the session, unless `job_id` was queued already (and run it here at
+        once, if this process runs turns)."""
+        if job_id is None:
+            job_id = await self.store.add_job(sid)
         if self.runner is not None:
             self.runner.kick(sid, job_id)
 
@@ -292,7 +334,7 @@ class Harness:
 
     async def wait_turn(self, result: SubmitResult, timeout: float) -> TurnResult:
         """Wait until the message's turn settles; returns its events (from message.received on)."""
-        after = _before(result.received_id)
+        after = just_before(result.received_id)
         async with self.hub.watch(result.session_id, after, settled_only=True) as watch:
             return await self._collect(result, watch, after, timeout, read_first=True)
 
@@ -308,7 +350,7 @@ class Harness:
             self.hub.follow(sid, watch, result.received_id)
             if not result.duplicate:  # its events, from message.received on, may come published
                 watch.last_seq = result.received_seq - 1
-            after = _before(result.received_id)
+            after = just_before(result.received_id)
             return await self._collect(result, watch, after, timeout, read_first=result.duplicate)
 
     async def _collect(
@@ -349,11 +391,3 @@ class Harness:
                 return await collect()
         except TimeoutError:
             return TurnResult(session_id=sid, message_id=result.message_id, status="pending", reply=None, events=events)
-
-
-def _before(eid: str) -> str:
-    """The stream id just before `eid`, so a read 'after' it includes `eid` itself."""
-    ms, seq = (int(x) for x in eid.split("-"))
-    if seq > 0:
-        return f"{ms}-{seq - 1}"
-    return f"{ms - 1}-{2**64 - 1}" if ms > 0 else "0-0"

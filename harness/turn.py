@@ -230,7 +230,10 @@ class TurnRunner:
         mode: CommitMode
         if requests:
             data = [{"request_id": r.request_id, "tool": r.tool, "arguments": r.arguments} for r in requests]
-            events.append(self._event("input.requested", {"requests": data}))
+            asked: dict[str, Any] = {"requests": data}
+            if self.message.author:  # who may be asked, for a channel that lets only them answer
+                asked["author"] = self.message.author
+            events.append(self._event("input.requested", asked))
             mode = "pause"
         elif calls:
             events.extend(self._tool_started(calls))

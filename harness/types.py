@@ -76,6 +76,7 @@ class InboxMessage(msgspec.Struct, frozen=True, omit_defaults=True):
     kind: EntryKind = "message"
     context: list[str] = []  # this turn only
     sticky: dict[str, str | None] = {}  # keyed updates, applied when the turn begins
+    author: str = ""  # who wrote it, as the channel names them (a Slack user id); "" over the API
 
 
 class ErrorInfo(msgspec.Struct, frozen=True):
@@ -143,6 +144,7 @@ class ApprovalRequest(msgspec.Struct, frozen=True):
 class Answer(msgspec.Struct, frozen=True, omit_defaults=True):
     decision: Decision
     reason: str = ""
+    by: str = ""  # who answered, as the channel names them (a Slack user id); "" over the API
 
 
 request_decoder = msgspec.json.Decoder(ApprovalRequest)

@@ -12,13 +12,15 @@ What it promises:
 Modules, one noun each: `keys` (every key), `lua` and `protocol` (the scripts and their typed
 arguments and replies), `wire` (the turn's direct command path), `sessions` (the session
 store's commands), `queue` (the job stream), `cache` (decoded history per process), `hub`
-(wake-ups and this process's events), `outbox` (reading events), `client` (the connection
-and error translation), `types` (what the commands hand back).
+(wake-ups and this process's events), `outbox` (reading events), `deliveries` (the delivery
+relay's leases, cursors, jobs and dead letters), `client` (the connection and error
+translation), `types` (what the commands hand back).
 """
 
 from redis.asyncio import Redis
 
 from harness.store.client import connect, reachable
+from harness.store.deliveries import DeadLetter, Deliveries, DeliveryState, relay_queue
 from harness.store.hub import EventHub, Watch
 from harness.store.outbox import Outbox
 from harness.store.queue import JobQueue
@@ -30,6 +32,9 @@ __all__ = [
     "Busy",
     "CommitMode",
     "Committed",
+    "DeadLetter",
+    "Deliveries",
+    "DeliveryState",
     "EventHub",
     "JobQueue",
     "Outbox",
@@ -41,4 +46,5 @@ __all__ = [
     "Watch",
     "connect",
     "reachable",
+    "relay_queue",
 ]

@@ -8,6 +8,13 @@ JOBS = f"{PREFIX}:{{jobs}}:stream"  # turn jobs: "session <id> has work"; consum
 JOBS_GROUP = "runners"
 TOKEN_SECRET = f"{PREFIX}:{{config}}:token-secret"  # string: made once, shared by every process
 CANCELS = f"{PREFIX}:{{control}}:cancels"  # pub/sub channel: "<session> <turn>" a cancel was asked for
+RELAY_JOBS = f"{PREFIX}:{{relay}}:stream"  # relay jobs: "<session> <destination> [<event id>]"
+RELAY_GROUP = "relays"
+
+
+def dead_letters(destination: str) -> str:
+    """Hash: "<session> <event id>" -> what could not be delivered to `destination`, and why."""
+    return f"{PREFIX}:{{relay}}:dead:{destination}"
 
 
 class SessionKeys:
@@ -45,3 +52,19 @@ class SessionKeys:
 def session_of(key: str) -> str:
     """The session id inside one of its keys (the hash tag)."""
     return key.split("{", 1)[1].rsplit("}", 1)[0]
+
+
+class DeliveryKeys:
+    """The keys of one session's deliveries to one destination (same hash tag as the session)."""
+
+    __slots__ = ("inbox", "lease", "meta", "outbox", "state")
+
+    def __init__(self, sid: str, destination: str) -> None:
+        base = f"{PREFIX}:{{{sid}}}:"
+        self.meta = base + "meta"
+        self.inbox = base + "inbox"
+        self.outbox = base + "outbox"
+        # hash: cursor (last event delivered), doubt (refs whose posts may have been made),
+        # last (the destination's handle of the newest post), r:<ref> (handles kept for later)
+        self.state = base + "relay:" + destination
+        self.lease = base + "relay:" + destination + ":lease"  # string: the relay that delivers now

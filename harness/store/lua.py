@@ -72,15 +72,24 @@ local function record_usage(retention, u)
 end
 """
 
+# A new session's meta and its session.created event (shared with SUBMIT, which may create the
+# session its message is for).
+_CREATE = """
+local function create_session(C)
+  redis.call('HSET', K.meta, 'owner', C.owner, 'created_at', C.created_at, 'metadata', C.metadata,
+    'status', 'idle', 'seq', 0, 'fence', 0, 'turn', '', 'turn_start', 0, 'hist_start', 0,
+    'waiting_on', '', 'undecided', 0, 'cancel', '')
+  return emit(C.retention, 'session.created', C.body)
+end
+"""
+
 CREATE = (
     _COMMON
     + _EMIT
+    + _CREATE
     + """
 if redis.call('EXISTS', K.meta) == 1 then return reply({tag = 'exists'}) end
-redis.call('HSET', K.meta, 'owner', A.owner, 'created_at', A.created_at, 'metadata', A.metadata,
-  'status', 'idle', 'seq', 0, 'fence', 0, 'turn', '', 'turn_start', 0, 'hist_start', 0,
-  'waiting_on', '', 'undecided', 0, 'cancel', '')
-local id = emit(A.retention, 'session.created', A.body)
+local id = create_session(A)
 return reply({tag = 'ok', id = id, seq = first_seq})
 """
 )
@@ -175,11 +184,16 @@ BEGIN = _COMMON + _EMIT + _BEGIN_TURN + "return reply(begin_turn(A))\n"
 # Records a message (idempotent on its message_id) with its message.received event. With
 # `A.begin` (a process that runs turns, and runs none of this session's now), a message that
 # is alone in the inbox, with the lease free, has its turn begun in the same script: `began`.
+# With `A.create`, a session that does not exist yet is created first (a webhook channel's
+# conversation whose session id follows from the conversation): `created` is its event's id.
 SUBMIT = (
     _COMMON
     + _EMIT
+    + _CREATE
     + _BEGIN_TURN
     + """
+local created = nil
+if A.create and redis.call('EXISTS', K.meta) == 0 then created = create_session(A.create) end
 if not owns(A.owner) then return reply({tag = 'missing'}) end
 local prev = redis.call('HGET', K.mids, A.message_id)
 if prev then
@@ -187,7 +201,7 @@ if prev then
   return reply({tag = 'dup', turn_id = turn_id, received_id = received_id})
 end
 local id = emit(A.retention, 'message.received', A.body)
-local out = {tag = 'new', id = id, seq = last_seq}
+local out = {tag = 'new', id = id, seq = last_seq, created = created}
 redis.call('HSET', K.mids, A.message_id, A.turn_id .. ' ' .. id)
 if redis.call('RPUSH', K.inbox, A.entry) == 1 and A.begin and redis.call('EXISTS', K.lease) == 0 then
   out.began = begin_turn(A.begin)
@@ -336,5 +350,50 @@ RELEASE = (
 if redis.call('GET', K.lease) ~= A.fence then return reply({held = false}) end
 redis.call('DEL', K.lease)
 return reply({held = true})
+"""
+)
+
+# ---- the delivery relay (keys: DeliveryKeys) ------------------------------------------------
+
+# Takes (or keeps) the lease of one session's deliveries to one destination, and answers the
+# delivery state with where the session is: so a relay that takes over starts from the cursor,
+# knows which posts are in doubt, and whether there is anything left to deliver.
+RELAY_TAKE = (
+    _COMMON
+    + """
+if not redis.call('SET', K.lease, A.fence, 'NX', 'PX', A.ttl_ms) then
+  if redis.call('GET', K.lease) ~= A.fence then
+    return reply({tag = 'busy', retry_ms = redis.call('PTTL', K.lease)})
+  end
+  redis.call('PEXPIRE', K.lease, A.ttl_ms)
+end
+return reply({tag = 'held', state = pairs_of(redis.call('HGETALL', K.state)),
+  metadata = redis.call('HGET', K.meta, 'metadata') or ''})
+"""
+)
+
+# Writes delivery state if the caller still holds the lease (a relay that lost it changes
+# nothing), and renews the lease, or with `A.release` gives it up. With `A.check`, also says
+# whether the session is quiet: not running, nothing queued, and `A.check` its newest event.
+RELAY_MARK = (
+    _COMMON
+    + """
+if redis.call('GET', K.lease) ~= A.token then return reply({tag = 'lost'}) end
+local quiet = false
+if A.check then
+  local status = redis.call('HGET', K.meta, 'status')
+  local newest = redis.call('XREVRANGE', K.outbox, '+', '-', 'COUNT', 1)
+  local last = newest[1] and newest[1][1] or ''
+  quiet = status ~= 'running' and redis.call('LLEN', K.inbox) == 0 and last == A.check
+  if not quiet and A.release then return reply({tag = 'held', quiet = false}) end
+end
+if #A.set > 0 then
+  local flat = {}
+  for _, kv in ipairs(A.set) do flat[#flat + 1] = kv[1]; flat[#flat + 1] = kv[2] end
+  redis.call('HSET', K.state, unpack(flat))
+end
+if #A.unset > 0 then redis.call('HDEL', K.state, unpack(A.unset)) end
+if A.release then redis.call('DEL', K.lease) else redis.call('PEXPIRE', K.lease, A.ttl_ms) end
+return reply({tag = 'held', quiet = quiet})
 """
 )

@@ -18,7 +18,7 @@ from typing import Any, Generic, Literal, TypeVar
 import msgspec
 
 from harness.store import lua
-from harness.store.keys import SessionKeys
+from harness.store.keys import DeliveryKeys, SessionKeys
 
 R_co = TypeVar("R_co", covariant=True)
 _pack = msgspec.msgpack.Encoder().encode
@@ -36,7 +36,7 @@ class Script(Generic[R_co]):
         self.key_names = tuple(keys)
         self._decode = msgspec.msgpack.Decoder(reply).decode
 
-    def keys(self, k: SessionKeys) -> list[str]:
+    def keys(self, k: SessionKeys | DeliveryKeys) -> list[str]:
         return [getattr(k, name) for name in self.key_names]
 
     @staticmethod
@@ -139,12 +139,14 @@ class SubmitArgs(msgspec.Struct, frozen=True):
     retention: int
     body: str  # the message.received event body
     begin: BeginArgs | None = None  # begin the turn if the message is alone and the lease free
+    create: CreateArgs | None = None  # create the session first if it does not exist
 
 
 class New(Reply, tag="new"):
     id: str
     seq: int
     began: BeginReply | None = None
+    created: str | None = None  # the session.created id, when this message created its session
 
 
 class Duplicate(Reply, tag="dup"):
@@ -296,6 +298,32 @@ class Count(msgspec.Struct, frozen=True):
     n: int
 
 
+# ---- RELAY_TAKE (LeaseArgs: the relay's token as `fence`), RELAY_MARK -----------------------
+
+
+class RelayHeld(Reply, tag="held"):
+    state: list[tuple[str, str]] = []  # the delivery state hash (RELAY_TAKE)
+    metadata: str = ""  # the session's metadata (JSON; "" when there is no session)
+    quiet: bool = False  # RELAY_MARK with `check`: nothing left to deliver
+
+
+class RelayBusy(Reply, tag="busy"):
+    retry_ms: int
+
+
+class RelayLost(Reply, tag="lost"):
+    pass
+
+
+class RelayMarkArgs(msgspec.Struct, frozen=True):
+    token: str
+    ttl_ms: int
+    set: list[tuple[str, str]] = []
+    unset: list[str] = []
+    check: str | None = None  # the newest event the relay has seen: is the session quiet?
+    release: bool = False  # give the lease up (only if quiet, with `check`)
+
+
 _SESSION = ("meta", "inbox", "lease", "history", "sticky", "outbox", "decisions")
 _COMMIT = ("meta", "lease", "history", "outbox", "inbox", "pending", "decisions")
 CREATE: Script[Added | Exists] = Script(lua.CREATE, ("meta", "outbox"), Added | Exists)
@@ -311,7 +339,13 @@ RESPOND: Script[Recorded | Answered | Unknown | Missing] = Script(
 CANCEL: Script[Cancelling | Idle | Missing] = Script(lua.CANCEL, ("meta", "inbox"), Cancelling | Idle | Missing)
 RENEW: Script[Held] = Script(lua.RENEW, ("lease",), Held)
 RELEASE: Script[Held] = Script(lua.RELEASE, ("lease",), Held)
+RELAY_TAKE: Script[RelayHeld | RelayBusy] = Script(lua.RELAY_TAKE, ("lease", "state", "meta"), RelayHeld | RelayBusy)
+RELAY_MARK: Script[RelayHeld | RelayLost] = Script(
+    lua.RELAY_MARK, ("lease", "state", "meta", "outbox", "inbox"), RelayHeld | RelayLost
+)
 SCRIPTS: tuple[Script[object], ...] = (
+    RELAY_TAKE,
+    RELAY_MARK,
     CREATE,
     ENQUEUE,
     BEGIN,

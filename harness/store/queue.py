@@ -20,15 +20,22 @@ def consumer_name() -> str:
 
 
 class JobQueue:
-    def __init__(self, redis: Redis, *, consumer: str | None = None) -> None:
+    """A job stream read by a consumer group: the turn jobs by default; the delivery relay's
+    jobs ("session X has events for destination D") are a second one."""
+
+    def __init__(
+        self, redis: Redis, *, consumer: str | None = None, stream: str = JOBS, group: str = JOBS_GROUP
+    ) -> None:
         self.redis = redis
         self.consumer = consumer or consumer_name()
+        self.stream = stream
+        self.group = group
         self._claim_from = "0-0"
 
     @translated
     async def ensure_group(self) -> None:
         try:
-            await self.redis.xgroup_create(JOBS, JOBS_GROUP, id="0", mkstream=True)
+            await self.redis.xgroup_create(self.stream, self.group, id="0", mkstream=True)
         except ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
@@ -41,10 +48,13 @@ class JobQueue:
 
     @translated
     async def take(self, count: int, block_ms: int) -> list[tuple[str, str]]:
-        """New jobs for this consumer: (job id, session id). A stream or group that is gone
-        (Redis restarted without persistence, or flushed) is made again, from its start."""
+        """New jobs for this consumer: (job id, what the job says: a session id for a turn
+        job). A stream or group that is gone (Redis restarted without persistence, or flushed)
+        is made again, from its start."""
         try:
-            res: Any = await self.redis.xreadgroup(JOBS_GROUP, self.consumer, {JOBS: ">"}, count=count, block=block_ms)
+            res: Any = await self.redis.xreadgroup(
+                self.group, self.consumer, {self.stream: ">"}, count=count, block=block_ms
+            )
         except ResponseError as exc:
             if not _stream_gone(exc):
                 raise
@@ -57,7 +67,7 @@ class JobQueue:
         """Jobs another consumer took and has not finished for `min_idle_ms` (it may be dead)."""
         try:
             claimed: Any = await self.redis.xautoclaim(
-                JOBS, JOBS_GROUP, self.consumer, min_idle_ms, start_id=self._claim_from, count=count
+                self.stream, self.group, self.consumer, min_idle_ms, start_id=self._claim_from, count=count
             )
         except ResponseError as exc:
             if not _stream_gone(exc):
@@ -72,8 +82,8 @@ class JobQueue:
     @translated
     async def done(self, *job_ids: str) -> None:
         async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.xack(JOBS, JOBS_GROUP, *job_ids)
-            pipe.xdel(JOBS, *job_ids)
+            pipe.xack(self.stream, self.group, *job_ids)
+            pipe.xdel(self.stream, *job_ids)
             await pipe.execute()
 
 

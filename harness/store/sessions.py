@@ -17,6 +17,7 @@ from harness.events import StoredEvent, envelope, event_body, made, written
 from harness.store import protocol as p
 from harness.store.cache import HistoryCache
 from harness.store.client import translated
+from harness.store.deliveries import relay_job
 from harness.store.keys import TOKEN_SECRET, SessionKeys
 from harness.store.queue import JobQueue
 from harness.store.types import Begun, Busy, Committed, Responded, Submitted, UsageRecord
@@ -98,28 +99,47 @@ class Store:
 
     @translated
     async def submit(
-        self, sid: str, owner: str, message: InboxMessage, *, begin_lease_ms: int | None = None
+        self,
+        sid: str,
+        owner: str,
+        message: InboxMessage,
+        *,
+        begin_lease_ms: int | None = None,
+        create: dict[str, Any] | None = None,
+        deliver_to: str | None = None,
     ) -> Submitted:
         """Record a message with its message.received event and, in the same round trip, its
         session's job; a repeated message_id returns the first one's ids (and queues the job
         again: had the first attempt died before its job, the retry repairs it). With
         `begin_lease_ms`, a message that is alone in the inbox (lease free) has its turn begun
-        in the same script: the Begun comes back too."""
+        in the same script: the Begun comes back too. With `create` (metadata), a session that
+        does not exist is created by the same script; with `deliver_to`, a relay job for that
+        destination goes in the same round trip. A webhook channel's submit (either of those)
+        is one round trip whatever this process knows of the session."""
         body = event_body(message.turn_id, {"message_id": message.message_id, "text": message.text})
         begin = None
         have_start, have = self._cached(sid)
         if begin_lease_ms is not None:
             begin = p.BeginArgs("", begin_lease_ms, repr(time.time()), self.retention, have_start, len(have))
+        new_session = None
+        created_body = event_body(None, {"metadata": create}) if create is not None else b""
+        if create is not None:
+            metadata = _enc.encode(create).decode()
+            new_session = p.CreateArgs(owner, repr(time.time()), metadata, self.retention, created_body.decode())
         entry = _enc.encode(message).decode()
-        args = p.SubmitArgs(owner, message.message_id, message.turn_id, entry, self.retention, body.decode(), begin)
-        res, job_id = await self._with_job(p.SUBMIT, sid, owner, args)
+        args = p.SubmitArgs(
+            owner, message.message_id, message.turn_id, entry, self.retention, body.decode(), begin, new_session
+        )
+        also = [relay_job(sid, deliver_to)] if deliver_to else []
+        res, job_id = await self._with_job(p.SUBMIT, sid, owner, args, also=also, look_first=not also and not create)
         if isinstance(res, p.Duplicate):
             return Submitted(True, res.turn_id, res.received_id, None, None, job_id)
         assert isinstance(res, p.New)
         event = made(sid, res.id, res.seq, "message.received", body)
         began = self._begun(sid, res.began, have) if res.began is not None else None
         began_now = began if isinstance(began, Begun) else None
-        return Submitted(False, message.turn_id, event.id, event, began_now, job_id)
+        created = made(sid, res.created, res.seq - 1, "session.created", created_body) if res.created else None
+        return Submitted(False, message.turn_id, event.id, event, began_now, job_id, created)
 
     @translated
     async def enqueue(self, sid: str, owner: str, entry: InboxMessage) -> str:
@@ -136,21 +156,32 @@ class Store:
             raise job_id
         return str(job_id.decode())
 
-    async def _with_job(self, script: p.Script[R], sid: str, owner: str, args: msgspec.Struct) -> tuple[R, str]:
-        """Run an owner-checked script and add the session's job, in one round trip. A session
-        this process has not seen is looked up first, so a request for an unknown one writes
-        nothing."""
-        if self._known.get(sid) != owner:
+    async def _with_job(
+        self,
+        script: p.Script[R],
+        sid: str,
+        owner: str,
+        args: msgspec.Struct,
+        *,
+        also: Sequence[Sequence[Any]] = (),
+        look_first: bool = True,
+    ) -> tuple[R, str]:
+        """Run an owner-checked script and add the session's job (and `also`), in one round
+        trip. A session this process has not seen is looked up first (unless not
+        `look_first`), so a request for an unknown one writes nothing; without the look, a
+        request for an unknown one leaves a job that finds nothing to do."""
+        if look_first and self._known.get(sid) != owner:
             if await self.redis.hget(SessionKeys(sid).meta, "owner") != owner.encode():
                 raise _missing(sid)
             self._remember(sid, owner)
         keys = script.keys(SessionKeys(sid))
-        raw, job_id = await self.wire.script_with(
-            script.sha, script.source, keys, script.args(args), [JobQueue.job(sid)]
+        raw, job_id, *_ = await self.wire.script_with(
+            script.sha, script.source, keys, script.args(args), [JobQueue.job(sid), *also]
         )
         res = script.reply(raw)
         if isinstance(res, p.Missing):  # sessions are never deleted: only an owner mismatch gets here
             raise _missing(sid)
+        self._remember(sid, owner)
         return res, job_id.decode()
 
     def _remember(self, sid: str, owner: str) -> None:
@@ -318,21 +349,33 @@ class Store:
         await self._run(p.ATTEMPT, sid, p.NoArgs())
 
     @translated
-    async def respond(self, sid: str, owner: str, request_id: str, answer: Answer) -> Responded:
-        data = {"request_id": request_id, "decision": answer.decision, "reason": answer.reason}
+    async def respond(
+        self, sid: str, owner: str, request_id: str, answer: Answer, *, deliver_to: str | None = None
+    ) -> Responded:
+        """Record an answer. With `deliver_to`, the session's job and a relay job for that
+        destination go in the same round trip (a webhook channel's click is one round trip)."""
+        data: dict[str, str] = {"request_id": request_id, "decision": answer.decision, "reason": answer.reason}
+        if answer.by:
+            data["by"] = answer.by
         now = repr(round(time.time(), 6))
         args = p.RespondArgs(
             owner, request_id, _enc.encode(answer).decode(), self.retention, now, _enc.encode(data).decode()
         )
-        res = await self._run(p.RESPOND, sid, args)
+        job_id = None
+        if deliver_to:
+            res, job_id = await self._with_job(
+                p.RESPOND, sid, owner, args, also=[relay_job(sid, deliver_to)], look_first=False
+            )
+        else:
+            res = await self._run(p.RESPOND, sid, args)
         if isinstance(res, p.Missing):
             raise _missing(sid)
         if isinstance(res, p.Unknown):
             raise NotFound(f"no approval request {request_id} in session {sid}", code="request_not_found")
         if isinstance(res, p.Answered):
-            return Responded(recorded=False, answer=answer_decoder.decode(res.answer))
+            return Responded(recorded=False, answer=answer_decoder.decode(res.answer), job_id=job_id)
         event = made(sid, res.id, res.seq, "input.resolved", res.body.encode())
-        return Responded(recorded=True, answer=answer, runnable=res.left == 0, event=event)
+        return Responded(recorded=True, answer=answer, runnable=res.left == 0, event=event, job_id=job_id)
 
     @translated
     async def open_requests(self, sid: str, meta: dict[str, str]) -> list[ApprovalRequest]:

@@ -36,6 +36,7 @@ class Submitted(NamedTuple):
     received: StoredEvent | None  # its message.received, when new
     began: Begun | None  # the turn SUBMIT began, if it did
     job_id: str  # the job queued with it
+    created: StoredEvent | None = None  # its session's session.created, when this message made it
 
 
 class Busy(msgspec.Struct, frozen=True):
@@ -65,3 +66,4 @@ class Responded(msgspec.Struct, frozen=True):
     answer: Answer
     runnable: bool = False  # this was the last open request of the paused turn
     event: StoredEvent | None = None  # its input.resolved, when recorded
+    job_id: str | None = None  # the session's job, when one was queued with the answer

@@ -1,0 +1,161 @@
+"""The webhook channel seam. A chat tool (Slack, Linear, ...) is one `WebhookChannel`:
+
+- `verify(body, headers)`: the provider's signature on the raw body, checked before anything
+  is parsed (a request that fails it gets 401 and changes nothing);
+- `interpret(route, body, headers)`: what a verified request asks of keel, as calls (`Submit`,
+  `Answer`, `Cancel`) or an immediate reply (a URL challenge);
+- `rejected(call, error)`: what to tell the person whose call keel refused (optional, made
+  after the ack: a Slack ephemeral "already answered");
+- `destination`: the outbound side, a `harness.relay.Destination` that renders committed events
+  into the provider's calls; the delivery relay drives it from the outbox, never the turn.
+
+`endpoint(channel, route)` is the one Starlette handler every webhook route shares: body read
+within its limit, verified, interpreted, each call made (a submit, an answer or a cancel is one
+Redis round trip, with the turn's job and the relay's job in it), then a 200 ack. No model or
+provider call happens before the ack."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from starlette.background import BackgroundTask
+from starlette.datastructures import Headers
+from starlette.requests import Request
+from starlette.responses import Response
+
+from channels.errors import ChannelError, error_response
+from channels.http import harness_of, read_body
+from harness import Harness
+from harness.errors import KeelError, Unavailable
+from harness.relay import Destination
+
+log = logging.getLogger("keel.webhooks")
+
+
+@dataclass(frozen=True)
+class Submit:
+    """A message for the session (made on the conversation's first message with `create`)."""
+
+    session_id: str
+    owner: str
+    text: str
+    message_id: str
+    author: str = ""
+    context: str | list[str] | dict[str, str | None] | None = None
+    create: Mapping[str, Any] | None = None  # the new session's metadata; None: only if it exists
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A person's decision on an approval request."""
+
+    session_id: str
+    owner: str
+    request_id: str
+    decision: str
+    by: str
+    origin: Mapping[str, Any] | None = field(default=None, compare=False)  # the provider's payload, for notes
+
+
+@dataclass(frozen=True)
+class Cancel:
+    session_id: str
+    owner: str
+    turn_id: str | None = None
+
+
+@dataclass(frozen=True)
+class Later:
+    """Something to do after the ack, not durably (a note only the clicking user sees)."""
+
+    run: Callable[[], Awaitable[None]]
+
+
+Call = Submit | Answer | Cancel | Later
+
+
+class WebhookChannel(Protocol):
+    name: str  # also its relay destination's name
+    destination: Destination
+
+    def routes(self) -> list[tuple[str, str]]:
+        """(path, route name) for each route the channel serves; `interpret` gets the name."""
+        ...
+
+    def verify(self, body: bytes, headers: Headers) -> bool: ...
+
+    def interpret(self, route: str, body: bytes, headers: Headers) -> list[Call] | Response: ...
+
+    def rejected(self, call: Call, error: KeelError) -> Later | None: ...
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+def unauthorized() -> Response:
+    return error_response(401, "invalid_signature", "the request's signature is missing, wrong or stale")
+
+
+def endpoint(channel: WebhookChannel, route: str) -> Callable[[Request], Awaitable[Response]]:
+    async def handle(request: Request) -> Response:
+        body = await read_body(request)
+        if not channel.verify(body, request.headers):
+            return unauthorized()
+        try:
+            interpreted = channel.interpret(route, body, request.headers)
+        except ValueError as exc:
+            raise ChannelError(400, "invalid_payload", str(exc)[:200]) from None
+        if isinstance(interpreted, Response):
+            return interpreted
+        later: list[Later] = []
+        harness = harness_of(request)
+        for call in interpreted:
+            if isinstance(call, Later):
+                later.append(call)
+                continue
+            try:
+                await perform(harness, channel.name, call)
+            except Unavailable:
+                raise  # a 503: the provider retries, and a retry is one message
+            except KeelError as exc:
+                note = channel.rejected(call, exc)
+                if note is not None:
+                    later.append(note)
+        return Response(b"", status_code=200, background=_after(later) if later else None)
+
+    return handle
+
+
+async def perform(harness: Harness, destination: str, call: Submit | Answer | Cancel) -> None:
+    if isinstance(call, Submit):
+        await harness.submit(
+            call.session_id,
+            call.owner,
+            call.text,
+            call.context,
+            call.message_id,
+            author=call.author,
+            create=dict(call.create) if call.create is not None else None,
+            deliver_to=destination,
+        )
+    elif isinstance(call, Answer):
+        await harness.respond(
+            call.session_id, call.owner, call.request_id, call.decision, by=call.by, deliver_to=destination
+        )
+    else:
+        await harness.cancel(call.session_id, call.owner, call.turn_id)
+
+
+def _after(later: list[Later]) -> BackgroundTask:
+    async def run() -> None:
+        for note in later:
+            try:
+                await note.run()
+            except Exception as exc:  # a note is best effort: the decision itself is durable
+                log.warning("webhooks: a note after the ack failed: %s", exc)
+
+    return BackgroundTask(run)

@@ -1,0 +1,231 @@
+"""Slack's outbound side: committed events rendered into Web API calls, made by the delivery
+relay through slack_sdk's AsyncWebClient.
+
+Every post goes in the session's thread (`thread_ts`) and carries its ref in the message's
+`metadata` (`event_type` "keel_post"), so a relay that takes over after a crash finds what was
+posted with `conversations.replies` (`include_all_metadata`) instead of posting it again.
+
+Renderings: `message.completed` -> a reply (in the working post, if there is one, via
+`chat.update`); `input.requested` -> one message per request with Approve and Deny buttons;
+`input.resolved` -> that message updated to say who decided what, without buttons;
+`turn.failed` -> a short apology with the error; `turn.cancelled` -> "Stopped."; a turn silent
+for a second -> a working post, replaced by the reply."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import aiohttp
+import msgspec
+from slack_sdk.errors import SlackApiError
+from slack_sdk.web.async_client import AsyncWebClient
+
+from harness.events import StoredEvent, decode_data
+from harness.relay import Outbound, Retry, Undeliverable
+
+POST_TYPE = "keel_post"
+TEXT_LIMIT = 3_900  # characters of one post; a longer reply goes out as several
+# ok:false errors that say "not now" rather than "never"
+TRANSIENT = frozenset({"ratelimited", "internal_error", "fatal_error", "service_unavailable", "request_timeout"})
+MAX_PAGES = 50  # conversations.replies pages a reconcile reads at most
+_json = msgspec.json.Encoder()
+
+DECIDED = {"approve": "Approved", "deny": "Denied", "withdrawn": "Withdrawn (the turn was cancelled)"}
+
+
+def approve_value(sid: str, request_id: str, author: str) -> str:
+    """The buttons' value: which request, and who asked (the default approver)."""
+    return _json.encode({"s": sid, "r": request_id, "a": author}).decode()
+
+
+def approval_blocks(text: str, value: str, request_id: str) -> list[dict[str, Any]]:
+    return [
+        {"type": "section", "text": {"type": "mrkdwn", "text": text}},
+        {
+            "type": "actions",
+            "block_id": f"keel:{request_id}"[:255],
+            "elements": [
+                {
+                    "type": "button",
+                    "action_id": "keel_approve",
+                    "text": {"type": "plain_text", "text": "Approve"},
+                    "style": "primary",
+                    "value": value,
+                },
+                {
+                    "type": "button",
+                    "action_id": "keel_deny",
+                    "text": {"type": "plain_text", "text": "Deny"},
+                    "style": "danger",
+                    "value": value,
+                },
+            ],
+        },
+    ]
+
+
+def _chunks(text: str) -> list[str]:
+    text = text or "(no text)"
+    return [text[i : i + TEXT_LIMIT] for i in range(0, len(text), TEXT_LIMIT)]
+
+
+def thread_of(where: Mapping[str, Any]) -> tuple[str, str] | None:
+    slack = where.get("slack")
+    if not isinstance(slack, dict):
+        return None
+    channel, thread = slack.get("channel"), slack.get("thread_ts")
+    return (channel, thread) if isinstance(channel, str) and isinstance(thread, str) else None
+
+
+class SlackDestination:
+    name = "slack"
+
+    def __init__(self, client: AsyncWebClient) -> None:
+        self.client = client
+
+    # ---- rendering ----------------------------------------------------------------------
+
+    def render(self, event: StoredEvent, where: Mapping[str, Any], refs: Mapping[str, str]) -> list[Outbound]:
+        if thread_of(where) is None:
+            return []
+        kind = event.type
+        if kind not in (
+            "message.completed",
+            "input.requested",
+            "input.resolved",
+            "turn.failed",
+            "turn.cancelled",
+            "turn.completed",
+        ):
+            return []
+        envelope = decode_data(event.raw)
+        data: dict[str, Any] = envelope["data"]
+        wait = f"wait:{envelope.get('turn_id')}"
+        if kind == "message.completed":
+            return self._reply(event.id, str(data.get("text") or ""), wait, refs)
+        if kind == "input.requested":
+            outs = self._settle(wait, refs, "_Waiting for approval._")
+            for r in data.get("requests", []):
+                rid = str(r["request_id"])
+                args = _json.encode(r.get("arguments", {})).decode()
+                if len(args) > 2_000:
+                    args = args[:2_000] + "…"
+                text = f"keel wants to run `{r['tool']}` with `{args}`. Approve?"
+                value = approve_value(str(envelope["session_id"]), rid, str(data.get("author", "")))
+                body = {"text": text, "blocks": approval_blocks(text, value, rid)}
+                outs.append(Outbound("post", f"req:{rid}", body, keep=True))
+            return outs
+        if kind == "input.resolved":
+            rid = str(data.get("request_id"))
+            decided = DECIDED.get(str(data.get("decision")), str(data.get("decision")))
+            by = f" by <@{data['by']}>" if data.get("by") else ""
+            text = f"{decided}{by}: request `{rid}`."
+            body = {"text": text, "blocks": [{"type": "section", "text": {"type": "mrkdwn", "text": text}}]}
+            return [Outbound("update", f"req:{rid}", body), Outbound("forget", f"req:{rid}")]
+        if kind == "turn.failed":
+            error = data.get("error") or {}
+            text = f"Sorry, that failed: {error.get('message', 'unknown error')}"
+            return self._reply(event.id, text, wait, refs)
+        if kind == "turn.cancelled":
+            return self._reply(event.id, "_Stopped._", wait, refs)
+        return self._settle(wait, refs, "_(no reply)_")  # turn.completed with a working post left
+
+    def _reply(self, event_id: str, text: str, wait: str, refs: Mapping[str, str]) -> list[Outbound]:
+        chunks = _chunks(text)
+        outs: list[Outbound] = []
+        if wait in refs:  # the first part replaces the working post
+            outs += self._settle(wait, refs, chunks.pop(0))
+        outs += [Outbound("post", f"e:{event_id}:{n}", {"text": c}) for n, c in enumerate(chunks)]
+        return outs
+
+    @staticmethod
+    def _settle(wait: str, refs: Mapping[str, str], text: str) -> list[Outbound]:
+        """The working post, if there is one, says `text` from now on (and is forgotten)."""
+        if wait not in refs:
+            return []
+        return [Outbound("update", wait, {"text": text}), Outbound("forget", wait)]
+
+    def working(self, turn_id: str, where: Mapping[str, Any]) -> Outbound | None:
+        if thread_of(where) is None:
+            return None
+        return Outbound("post", f"wait:{turn_id}", {"text": "_Working on it…_"}, keep=True)
+
+    # ---- calls --------------------------------------------------------------------------
+
+    async def send(self, out: Outbound, where: Mapping[str, Any], handle: str | None) -> str:
+        thread = thread_of(where)
+        if thread is None:
+            raise Undeliverable("the session has no Slack thread")
+        channel, thread_ts = thread
+        blocks = out.body.get("blocks")
+        if out.kind == "update":
+            assert handle is not None
+            await self._call(
+                self.client.chat_update,
+                channel=channel,
+                ts=handle,
+                text=out.body["text"],
+                blocks=blocks or [{"type": "section", "text": {"type": "mrkdwn", "text": out.body["text"]}}],
+            )
+            return handle
+        res = await self._call(
+            self.client.chat_postMessage,
+            channel=channel,
+            thread_ts=thread_ts,
+            text=out.body["text"],
+            blocks=blocks,
+            metadata={"event_type": POST_TYPE, "event_payload": {"ref": out.ref}},
+        )
+        return str(res["ts"])
+
+    async def find(self, refs: list[str], where: Mapping[str, Any], since: str) -> dict[str, str]:
+        thread = thread_of(where)
+        if thread is None:
+            return {}
+        channel, thread_ts = thread
+        wanted, found = set(refs), {}
+        cursor = None
+        for _ in range(MAX_PAGES):
+            res = await self._call(
+                self.client.conversations_replies,
+                channel=channel,
+                ts=thread_ts,
+                oldest=since or thread_ts,
+                inclusive=True,
+                include_all_metadata=True,
+                limit=200,
+                cursor=cursor,
+            )
+            for message in res.get("messages") or []:
+                meta = message.get("metadata") or {}
+                ref = (meta.get("event_payload") or {}).get("ref")
+                if meta.get("event_type") == POST_TYPE and ref in wanted:
+                    found[ref] = str(message["ts"])
+            cursor = (res.get("response_metadata") or {}).get("next_cursor")
+            if not cursor or len(found) == len(wanted):
+                break
+        return found
+
+    @staticmethod
+    async def _call(method: Any, **kwargs: Any) -> Any:
+        try:
+            return await method(**kwargs)
+        except SlackApiError as exc:
+            status = exc.response.status_code
+            error = str(exc.response.get("error", "")) if isinstance(exc.response.data, dict) else ""
+            if status == 429:
+                after = exc.response.headers.get("Retry-After") or exc.response.headers.get("retry-after")
+                raise Retry("rate limited (429)", _seconds(after)) from None
+            if status >= 500 or error in TRANSIENT:
+                raise Retry(f"Slack answered {status} {error}".strip(), None) from None
+            raise Undeliverable(f"Slack refused: {error or status}") from None
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            raise Retry(f"Slack unreachable: {type(exc).__name__}", None) from None
+
+
+def _seconds(value: Any) -> float:
+    try:
+        return max(float(value), 0.0)
+    except (TypeError, ValueError):
+        return 1.0

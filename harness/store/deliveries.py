@@ -1,0 +1,150 @@
+"""The delivery relay's storage: per session and destination, a lease (one relay delivers a
+session's events to a destination at a time, fenced by its token), a cursor (the last event
+delivered), the refs whose posts are in doubt (a post made, the cursor not yet moved) and the
+handles a destination keeps for later (a message to update); the relay's job stream; dead
+letters an operator lists and retries."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+from redis.asyncio import Redis
+
+from harness.store import protocol as p
+from harness.store.client import translated
+from harness.store.keys import RELAY_GROUP, RELAY_JOBS, DeliveryKeys, dead_letters
+from harness.store.queue import JobQueue
+from harness.store.wire import Wire
+
+
+class DeliveryState(msgspec.Struct):
+    """Where one session's deliveries to one destination stand."""
+
+    cursor: str = "0-0"  # the last event delivered (or judged to need nothing)
+    doubt: list[str] = []  # refs whose posts may have been made before a crash
+    last: str = ""  # the destination's handle of the newest post ("" before the first)
+    refs: dict[str, str] = {}  # ref -> handle, kept for later (a message to update)
+    metadata: dict[str, Any] = {}  # the session's metadata (where its destination is)
+    exists: bool = True  # the session exists
+
+
+class DeadLetter(msgspec.Struct, frozen=True):
+    session_id: str
+    event_id: str
+    destination: str
+    error: str
+    attempts: int
+    at: float
+
+
+def relay_job(sid: str, destination: str, event_id: str = "") -> tuple[str, ...]:
+    """The command that asks a relay to deliver the session's events to `destination` (sent
+    with the write it goes with); with `event_id`, to deliver that one event again."""
+    what = f"{sid} {destination} {event_id}".rstrip()
+    return ("XADD", RELAY_JOBS, "*", "s", what)
+
+
+def relay_queue(redis: Redis, consumer: str | None = None) -> JobQueue:
+    return JobQueue(redis, consumer=consumer, stream=RELAY_JOBS, group=RELAY_GROUP)
+
+
+class Deliveries:
+    """Leases and state go by the `wire` (the relay's); dead letters need only `redis` (the
+    operator's command line)."""
+
+    def __init__(self, redis: Redis, wire: Wire | None = None) -> None:
+        self.redis = redis
+        self.wire = wire
+
+    async def _run(self, script: p.Script[Any], keys: DeliveryKeys, args: msgspec.Struct) -> Any:
+        assert self.wire is not None, "leases and cursors go by the relay's wire"
+        raw = await self.wire.script(script.sha, script.source, script.keys(keys), script.args(args))
+        return script.reply(raw)
+
+    @translated
+    async def take(self, sid: str, destination: str, token: str, ttl_ms: int) -> DeliveryState | int:
+        """The lease and the state, or how many ms until the lease held by another relay lapses."""
+        res = await self._run(p.RELAY_TAKE, DeliveryKeys(sid, destination), p.LeaseArgs(token, ttl_ms))
+        if isinstance(res, p.RelayBusy):
+            return max(int(res.retry_ms), 1)
+        raw = dict(res.state)
+        return DeliveryState(
+            cursor=raw.get("cursor", "0-0"),
+            doubt=raw.get("doubt", "").split(),
+            last=raw.get("last", ""),
+            refs={k[2:]: v for k, v in raw.items() if k.startswith("r:")},
+            metadata=json.loads(res.metadata) if res.metadata else {},
+            exists=bool(res.metadata),
+        )
+
+    @translated
+    async def mark(
+        self,
+        sid: str,
+        destination: str,
+        token: str,
+        ttl_ms: int,
+        *,
+        cursor: str | None = None,
+        doubt: list[str] | None = None,
+        last: str | None = None,
+        keep: Mapping[str, str] | None = None,
+        forget: list[str] | None = None,
+        check: str | None = None,
+        release: bool = False,
+    ) -> bool | None:
+        """Write what changed (and renew the lease, or give it up with `release`). False: the
+        lease is lost, nothing was written. With `check` (the newest event seen): None if the
+        session is not quiet (then nothing was written), True if it is."""
+        fields: list[tuple[str, str]] = []
+        if cursor is not None:
+            fields.append(("cursor", cursor))
+        if doubt is not None:
+            fields.append(("doubt", " ".join(doubt)))
+        if last is not None:
+            fields.append(("last", last))
+        fields.extend(("r:" + ref, handle) for ref, handle in (keep or {}).items())
+        args = p.RelayMarkArgs(
+            token, ttl_ms, fields, ["r:" + ref for ref in forget or []], check=check, release=release
+        )
+        res = await self._run(p.RELAY_MARK, DeliveryKeys(sid, destination), args)
+        if isinstance(res, p.RelayLost):
+            return False
+        if check is not None and not res.quiet:
+            return None
+        return True
+
+    # ---- dead letters ------------------------------------------------------------------
+
+    @translated
+    async def bury(self, letter: DeadLetter) -> None:
+        """Record an event that could not be delivered (idempotent per session and event)."""
+        field = f"{letter.session_id} {letter.event_id}"
+        await self.redis.hset(dead_letters(letter.destination), field, msgspec.json.encode(letter))
+
+    @translated
+    async def dead(self, destination: str) -> list[DeadLetter]:
+        raw: Any = await self.redis.hgetall(dead_letters(destination))
+        letters = [msgspec.json.decode(v, type=DeadLetter) for v in raw.values()]
+        return sorted(letters, key=lambda d: d.at)
+
+    @translated
+    async def retry(self, destination: str, letters: list[DeadLetter]) -> int:
+        """Ask the relays to deliver these events again (each one is reconciled with the
+        destination first, so one that did arrive is not posted twice). Returns how many."""
+        if not letters:
+            return 0
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for d in letters:
+                pipe.hdel(dead_letters(destination), f"{d.session_id} {d.event_id}")
+                pipe.execute_command(*relay_job(d.session_id, destination, d.event_id))
+            await pipe.execute()
+        return len(letters)
+
+    @staticmethod
+    def letter(sid: str, event_id: str, destination: str, error: str, attempts: int) -> DeadLetter:
+        return DeadLetter(sid, event_id, destination, error[:500], attempts, round(time.time(), 3))

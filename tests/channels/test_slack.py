@@ -1,0 +1,318 @@
+"""The Slack channel against a local server that speaks Slack's Web API, driven through keel's
+own slack_sdk client, with requests signed as Slack signs them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+from redis.asyncio import Redis
+
+from channels.webhooks.slack import session_for
+from harness import Agent, tool
+from harness.models import ModelReply, ModelRequest, ScriptedModel, ToolCall
+from tests.channels.slack_server import BOT, SECRET, TEAM, TOKEN, FakeSlack, click_body, event_body, signed
+
+pytestmark = pytest.mark.asyncio
+
+
+@pytest.fixture
+def slack() -> Any:
+    fake = FakeSlack().start()
+    yield fake
+    fake.stop()
+
+
+def echo_agent(ran: list[str] | None = None, gate: asyncio.Event | None = None) -> Agent:
+    ran = ran if ran is not None else []
+
+    @tool(approval=True)
+    def wipe(target: str) -> str:
+        """Wipe a target."""
+        ran.append(target)
+        return f"wiped {target}"
+
+    async def script(r: ModelRequest) -> ModelReply:
+        last = r.messages[-1]
+        if gate is not None:
+            await gate.wait()
+        if last.role == "user" and last.text.startswith("wipe "):
+            return ModelReply(tool_calls=[ToolCall("wipe", {"target": last.text[5:]})])
+        if last.role == "tool":
+            return ModelReply(text=f"done: {last.text}")
+        return ModelReply(text=f"re:{last.text}")
+
+    return Agent(instructions="t", tools=[wipe], model=ScriptedModel(script))
+
+
+@pytest.fixture
+async def keel(serve: Any, slack: FakeSlack) -> AsyncIterator[Any]:
+    """`await keel(agent, **settings)` -> a client for keel serving the Slack channel."""
+    clients: list[httpx.AsyncClient] = []
+
+    async def start(agent: Agent, **settings: Any) -> httpx.AsyncClient:
+        live = await serve(
+            agent,
+            slack_signing_secret=SECRET,
+            slack_bot_token=TOKEN,
+            slack_api_url=slack.url,
+            lease_ms=1000,
+            **settings,
+        )
+        client = live.client()
+        clients.append(client)
+        return client
+
+    yield start
+    for c in clients:
+        await c.aclose()
+
+
+async def post_event(c: httpx.AsyncClient, body: bytes, **headers: str) -> httpx.Response:
+    return await c.post(
+        "/v1/slack/events", content=body, headers={"Content-Type": "application/json", **signed(body, **headers)}
+    )
+
+
+async def click(c: httpx.AsyncClient, body: bytes, **kw: Any) -> httpx.Response:
+    return await c.post(
+        "/v1/slack/interactivity",
+        content=body,
+        headers={"Content-Type": "application/x-www-form-urlencoded", **signed(body, **kw)},
+    )
+
+
+def replies(slack: FakeSlack, thread: str) -> list[str]:
+    return [m.text for m in slack.posts(thread)]
+
+
+async def test_a_mention_is_acked_and_answered_once_in_its_thread(keel: Any, slack: FakeSlack, redis: Redis) -> None:
+    c = await keel(echo_agent())
+    body = event_body(f"<@{BOT}> hello there", ts="1700000001.000100")
+    r = await post_event(c, body)
+    assert r.status_code == 200 and r.content == b""
+    await slack.until(lambda s: len(s.posts("1700000001.000100")) == 1)
+    (post,) = slack.posts("1700000001.000100")
+    assert post.text == "re:hello there" and post.channel == "C0GENERAL"  # the mention is stripped
+    assert post.metadata is not None and post.metadata["event_type"] == "keel_post"
+    # Slack's retries, the same message as a `message` event, and a replay: one message
+    for n in ("1", "2", "3"):
+        assert (
+            await post_event(c, body, **{"X-Slack-Retry-Num": n, "X-Slack-Retry-Reason": "http_timeout"})
+        ).status_code == 200
+    as_message = event_body(f"<@{BOT}> hello there", ts="1700000001.000100", kind="message", channel_type="channel")
+    assert (await post_event(c, as_message)).status_code == 200
+    # a reply in the thread (no mention) is the session's next message: its reply comes after
+    # anything the duplicates could have caused
+    follow = event_body("and more", ts="1700000002.000200", kind="message", thread_ts="1700000001.000100")
+    assert (await post_event(c, follow)).status_code == 200
+    await slack.until(lambda s: len(s.posts("1700000001.000100")) >= 2)
+    assert replies(slack, "1700000001.000100") == ["re:hello there", "re:and more"]
+    sid = session_for(TEAM, "C0GENERAL", "1700000001.000100")
+    types = [e[1][b"t"] for e in await redis.xrange(f"keel:{{{sid}}}:outbox")]
+    assert types.count(b"message.received") == 2 and types[0] == b"session.created"
+
+
+async def test_who_wrote_it_is_page_context_not_history(keel: Any, slack: FakeSlack, serve: Any) -> None:
+    seen: list[ModelRequest] = []
+
+    def script(r: ModelRequest) -> ModelReply:
+        seen.append(r)
+        return ModelReply(text="ok")
+
+    c = await keel(Agent(instructions="t", model=ScriptedModel(script)))
+    await post_event(c, event_body(f"<@{BOT}> first", ts="1700000003.000100", user="U0CAROL"))
+    await slack.until(lambda s: len(s.posts("1700000003.000100")) == 1)
+    texts = [m.text for m in seen[0].messages]
+    assert any("<@U0CAROL>" in t and "C0GENERAL" in t for t in texts)
+    assert texts[-1] == "first"
+    await post_event(
+        c, event_body("second", ts="1700000004.000100", kind="message", user="U0DAN", thread_ts="1700000003.000100")
+    )
+    await slack.until(lambda s: len(s.posts("1700000003.000100")) == 2)
+    later = [m.text for m in seen[1].messages]
+    assert not any("U0CAROL" in t for t in later)  # the first turn's context is gone
+    assert any("<@U0DAN>" in t for t in later)
+
+
+async def test_what_keel_ignores(keel: Any, slack: FakeSlack, redis: Redis) -> None:
+    c = await keel(echo_agent())
+    ignored = [
+        event_body("plain channel chatter", ts="1700000010.000100", kind="message"),  # not for keel
+        event_body("a thread keel is not in", ts="1700000011.000100", kind="message", thread_ts="1700000009.1"),
+        event_body(f"<@{BOT}> mine", ts="1700000012.000100", user=BOT),  # the bot itself
+        event_body("bot post", ts="1700000013.000100", kind="message", bot_id="B0BOT", channel_type="im"),
+        event_body("edited", ts="1700000014.000100", kind="message", subtype="message_changed", channel_type="im"),
+        event_body("joined", ts="1700000015.000100", kind="message", subtype="channel_join", channel_type="im"),
+    ]
+    for body in ignored:
+        assert (await post_event(c, body)).status_code == 200
+    # a direct message starts a conversation of its own, answered in its thread
+    dm = event_body("hi in private", ts="1700000016.000100", kind="message", channel="D0DM", channel_type="im")
+    assert (await post_event(c, dm)).status_code == 200
+    await slack.until(lambda s: len(s.posts("1700000016.000100")) == 1)
+    assert [m.text for m in slack.posts()] == ["re:hi in private"]
+    for ts in ("1700000010.000100", "1700000009.1", "1700000012.000100", "1700000013.000100"):
+        assert not await redis.exists(f"keel:{{{session_for(TEAM, 'C0GENERAL', ts)}}}:meta")
+
+
+async def test_a_forged_or_stale_request_is_401_and_writes_nothing(keel: Any, slack: FakeSlack, redis: Redis) -> None:
+    c = await keel(echo_agent())
+    body = event_body(f"<@{BOT}> forged", ts="1700000020.000100")
+    before = await redis.dbsize()
+    forged = {"Content-Type": "application/json", **signed(body, secret="not-the-secret")}
+    stale = {"Content-Type": "application/json", **signed(body, at=time.time() - 301)}
+    tampered = {"Content-Type": "application/json", **signed(body)}
+    cases = [
+        await c.post("/v1/slack/events", content=body, headers=forged),
+        await c.post("/v1/slack/events", content=body, headers=stale),
+        await c.post("/v1/slack/events", content=body.replace(b"forged", b"FORGED"), headers=tampered),
+        await c.post("/v1/slack/events", content=body),  # no signature at all
+        await c.post("/v1/slack/interactivity", content=b"payload=%7B%7D", headers=forged),
+    ]
+    for r in cases:
+        assert r.status_code == 401
+        assert r.json()["error"]["code"] == "invalid_signature"
+    assert await redis.dbsize() == before
+    assert not await redis.exists(f"keel:{{{session_for(TEAM, 'C0GENERAL', '1700000020.000100')}}}:meta")
+
+
+async def test_url_verification_answers_its_challenge(keel: Any) -> None:
+    c = await keel(echo_agent())
+    body = json.dumps({"type": "url_verification", "token": "x", "challenge": "abc123"}).encode()
+    r = await post_event(c, body)
+    assert r.status_code == 200 and r.json() == {"challenge": "abc123"}
+
+
+async def test_the_routes_take_no_api_key_but_the_api_still_does(keel: Any) -> None:
+    c = await keel(echo_agent(), api_keys=("k1",))
+    r = await post_event(c, event_body(f"<@{BOT}> keyless", ts="1700000025.000100"))
+    assert r.status_code == 200
+    assert (await c.post("/v1/sessions")).status_code == 401
+
+
+async def test_approval_by_buttons(keel: Any, slack: FakeSlack, redis: Redis) -> None:
+    ran: list[str] = []
+    c = await keel(echo_agent(ran))
+    thread = "1700000030.000100"
+    await post_event(c, event_body(f"<@{BOT}> wipe disk", ts=thread))
+    await slack.until(lambda s: any(m.blocks for m in s.posts(thread)))
+    (ask,) = [m for m in slack.posts(thread) if m.blocks]
+    assert "wipe" in ask.text
+    # another user's click and another team's click change nothing
+    assert (await click(c, click_body(ask, "approve", user="U0MALLORY"))).status_code == 200
+    assert (await click(c, click_body(ask, "approve", team="T0OTHER"))).status_code == 200
+    await slack.until(lambda s: len(s.ephemerals) == 1)
+    assert slack.ephemerals[0]["user"] == "U0MALLORY" and "U0ALICE" in slack.ephemerals[0]["text"]
+    sid = session_for(TEAM, "C0GENERAL", thread)
+    assert (await redis.hget(f"keel:{{{sid}}}:meta", "status")) == b"waiting"
+    # a forged click is 401
+    forged = click_body(ask, "approve")
+    r = await c.post(
+        "/v1/slack/interactivity",
+        content=forged,
+        headers={"Content-Type": "application/x-www-form-urlencoded", **signed(forged, secret="nope")},
+    )
+    assert r.status_code == 401
+    assert ran == []
+    # the right user: the tool runs once; a double click is one answer
+    first, second = await asyncio.gather(click(c, click_body(ask, "approve")), click(c, click_body(ask, "approve")))
+    assert first.status_code == second.status_code == 200
+    await slack.until(
+        lambda s: (
+            [m.text for m in s.posts(thread) if not m.blocks or m.updates]
+            and any(m.text == "done: wiped disk" for m in s.posts(thread))
+        )
+    )
+    assert ran == ["disk"]
+    updated = next(m for m in slack.posts(thread) if m.ts == ask.ts)
+    assert updated.updates == 1 and "Approved by <@U0ALICE>" in updated.text
+    assert not any(b["type"] == "actions" for b in updated.blocks or [])  # the buttons are gone
+    # a different decision after the first: an ephemeral "already answered", nothing else
+    assert (await click(c, click_body(ask, "deny"))).status_code == 200
+    await slack.until(lambda s: len(s.ephemerals) == 2)
+    assert "already answered: approve" in slack.ephemerals[1]["text"]
+    assert ran == ["disk"]
+    assert [m.text for m in slack.posts(thread)][-1] == "done: wiped disk"
+
+
+async def test_approvers_setting_widens_who_may_decide(keel: Any, slack: FakeSlack) -> None:
+    ran: list[str] = []
+    c = await keel(echo_agent(ran), slack_approvers=frozenset({"U0BOSS"}))
+    thread = "1700000040.000100"
+    await post_event(c, event_body(f"<@{BOT}> wipe tmp", ts=thread))
+    await slack.until(lambda s: any(m.blocks for m in s.posts(thread)))
+    (ask,) = [m for m in slack.posts(thread) if m.blocks]
+    assert (await click(c, click_body(ask, "deny", user="U0BOSS"))).status_code == 200
+    await slack.until(lambda s: any("Denied by <@U0BOSS>" in m.text for m in s.posts(thread)))
+    await slack.until(lambda s: len(s.posts(thread)) == 2)  # the turn goes on and answers
+    assert ran == []
+
+
+async def test_a_slow_model_shows_a_working_post_replaced_by_the_reply(keel: Any, slack: FakeSlack) -> None:
+    gate = asyncio.Event()
+    c = await keel(echo_agent(gate=gate))
+    thread = "1700000050.000100"
+    await post_event(c, event_body(f"<@{BOT}> think hard", ts=thread))
+    await slack.until(lambda s: len(s.posts(thread)) == 1)
+    assert "Working" in slack.posts(thread)[0].text
+    gate.set()
+    await slack.until(lambda s: s.posts(thread)[0].text == "re:think hard")
+    assert len(slack.posts(thread)) == 1 and slack.count("chat.update") == 1
+
+
+async def test_rate_limits_are_waited_out_and_nothing_is_posted_twice(keel: Any, slack: FakeSlack) -> None:
+    c = await keel(echo_agent())
+    slack.fail("chat.postMessage", status=429, retry_after="1", times=2)
+    thread = "1700000060.000100"
+    started = time.monotonic()
+    await post_event(c, event_body(f"<@{BOT}> patience", ts=thread))
+    await slack.until(lambda s: len(s.posts(thread)) == 1)
+    assert time.monotonic() - started >= 2.0  # Retry-After honoured twice
+    assert slack.count("chat.postMessage") == 3
+    assert replies(slack, thread) == ["re:patience"]
+
+
+async def test_a_refused_post_is_a_dead_letter_an_operator_retries(keel: Any, slack: FakeSlack, redis: Redis) -> None:
+    from app.relay import list_dead, retry_dead
+
+    c = await keel(echo_agent())
+    slack.fail("chat.postMessage", status=200, error="not_in_channel", times=1)
+    thread = "1700000070.000100"
+    await post_event(c, event_body(f"<@{BOT}> first", ts=thread))
+    for _ in range(200):
+        dead = await list_dead(redis, "slack")
+        if dead:
+            break
+        await asyncio.sleep(0.05)
+    (letter,) = dead
+    assert letter.session_id == session_for(TEAM, "C0GENERAL", thread) and "not_in_channel" in letter.error
+    # the relay went on: the next reply in the thread is posted
+    await post_event(c, event_body("second", ts="1700000071.000100", kind="message", thread_ts=thread))
+    await slack.until(lambda s: len(s.posts(thread)) == 1)
+    assert replies(slack, thread) == ["re:second"]
+    assert await retry_dead(redis, "slack") == 1
+    await slack.until(lambda s: len(s.posts(thread)) == 2)
+    assert sorted(replies(slack, thread)) == ["re:first", "re:second"]
+    assert await list_dead(redis, "slack") == []
+    assert await retry_dead(redis, "slack") == 0
+
+
+async def test_a_burst_of_1000_events_is_all_acked_and_answered(keel: Any, slack: FakeSlack) -> None:
+    c = await keel(echo_agent())
+    gate = asyncio.Semaphore(50)
+
+    async def one(n: int) -> int:
+        async with gate:
+            r = await post_event(c, event_body(f"<@{BOT}> n{n}", ts=f"1700001000.{n:06d}"))
+            return r.status_code
+
+    codes = await asyncio.gather(*(one(n) for n in range(1000)))
+    assert codes == [200] * 1000
+    await slack.until(lambda s: len(s.posts()) >= 1000, timeout=120)
+    assert sorted(m.text for m in slack.posts()) == sorted(f"re:n{n}" for n in range(1000))
