@@ -63,7 +63,7 @@ class FakeSlack:
 
     def __post_init__(self) -> None:
         self.lock = threading.Condition()
-        self._clock = 1_700_000_000.0
+        self._clock = 0.0
         routes = [Route("/api/{method}", self._handle, methods=["GET", "POST"])]
         self.server = uvicorn.Server(
             uvicorn.Config(Starlette(routes=routes), host="127.0.0.1", port=self.port, log_level="warning")
@@ -147,7 +147,7 @@ class FakeSlack:
                 return {"ok": False, "error": "no_text" if a.get("channel") else "channel_not_found"}
             if a["channel"] == "C0GONE":
                 return {"ok": False, "error": "channel_not_found"}
-            self._clock += 0.000100
+            self._clock = max(time.time(), self._clock + 0.000100)  # like Slack's: after the thread's root
             ts = f"{self._clock:.6f}"
             metadata = _json_or(a.get("metadata"))
             blocks = _json_or(a.get("blocks"))

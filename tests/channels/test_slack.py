@@ -316,3 +316,58 @@ async def test_a_burst_of_1000_events_is_all_acked_and_answered(keel: Any, slack
     assert codes == [200] * 1000
     await slack.until(lambda s: len(s.posts()) >= 1000, timeout=120)
     assert sorted(m.text for m in slack.posts()) == sorted(f"re:n{n}" for n in range(1000))
+
+
+async def test_an_accepted_event_or_click_costs_one_redis_round_trip(
+    keel: Any, slack: FakeSlack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Counted at the two ways keel talks to Redis (its own wire, and redis-py), from the
+    verified request to the ack, in the request's own work (the turn that runs meanwhile, in
+    tasks of its own, is not the ack's)."""
+    import contextvars
+
+    from redis.asyncio.client import Pipeline
+
+    from channels.webhooks import base
+    from harness.store.wire import Wire
+
+    window: contextvars.ContextVar[dict[str, bool] | None] = contextvars.ContextVar("window", default=None)
+    trips: list[str] = []
+
+    def counting(original: Any, name: str) -> Any:
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            open_ = window.get()
+            task = asyncio.current_task()
+            if open_ and open_["open"] and task is not None and not task.get_name().startswith("keel-"):
+                trips.append(name)
+            return await original(*args, **kwargs)
+
+        return call
+
+    perform = base.perform
+
+    async def performing(*args: Any) -> None:
+        state = {"open": True}
+        window.set(state)
+        try:
+            await perform(*args)
+        finally:
+            state["open"] = False
+
+    monkeypatch.setattr(base, "perform", performing)
+    monkeypatch.setattr(Wire, "call", counting(Wire.call, "wire"))
+    monkeypatch.setattr(Redis, "execute_command", counting(Redis.execute_command, "redis"))
+    monkeypatch.setattr(Pipeline, "execute", counting(Pipeline.execute, "pipeline"))
+    c = await keel(echo_agent())
+    thread = "1700000090.000100"
+    await post_event(c, event_body(f"<@{BOT}> wipe a", ts=thread))  # a new conversation
+    assert trips == ["wire"]
+    await slack.until(lambda s: any(m.blocks for m in s.posts(thread)))
+    trips.clear()
+    await post_event(c, event_body("in the thread", ts="1700000091.000100", kind="message", thread_ts=thread))
+    assert trips == ["wire"]
+    (ask,) = [m for m in slack.posts(thread) if m.blocks]
+    trips.clear()
+    assert (await click(c, click_body(ask, "approve"))).status_code == 200
+    assert trips == ["wire"]
+    await slack.until(lambda s: any(m.text == "done: wiped a" for m in s.posts(thread)))
