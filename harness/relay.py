@@ -30,7 +30,7 @@ import logging
 import random
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -243,29 +243,30 @@ class Relay:
             await self.deliveries.mark(sid, dest.name, token, self.lease_ms, release=True)
             return
         session = _Session(self, sid, dest, token, state)
-        await session.recover()
-        await session.follow()
+        async with session.held():
+            await session.recover()
+            await session.follow()
 
     async def _redeliver(self, sid: str, dest: Destination, event_id: str) -> None:
         """An operator's retry of a dead letter: the event's posts that the destination does
         not have are made (out of order by then); the cursor is not moved."""
         token = new_id("rly")
         state = await self._take(sid, dest, token)
-        try:
+        session = _Session(self, sid, dest, token, state)
+        async with session.held():
             events = await self.store.events(sid, just_before(event_id), count=1)
             if events and events[0].id == event_id and state.exists:
-                session = _Session(self, sid, dest, token, state)
                 outs = dest.render(events[0], state.metadata, session.refs)
                 posts = [o.ref for o in outs if o.kind == "post" and o.ref not in session.refs]
                 if posts:
                     session.refs.update(await self._attempt(lambda: dest.find(posts, state.metadata, "")))
                 await session.deliver(events[0], move_cursor=False)
-        finally:
-            await self.deliveries.mark(sid, dest.name, token, self.lease_ms, release=True)
+        await session.mark(release=True)
+        session.released = True
 
-    async def _attempt(self, call: Any, renew: Any = None) -> Any:
-        """`call()` until it succeeds, waiting as each Retry says (renewing the lease
-        meanwhile); Undeliverable once the attempts are spent."""
+    async def _attempt(self, call: Any) -> Any:
+        """`call()` until it succeeds, waiting as each Retry says; Undeliverable once the
+        attempts are spent."""
         for attempt in range(1, self.attempts + 1):
             try:
                 return await call()
@@ -274,13 +275,7 @@ class Relay:
                     raise Undeliverable(f"{exc} (gave up after {attempt} attempts)") from exc
                 self.stats.retries += 1
                 backoff = 2.0 ** (attempt - 1) * random.uniform(0.8, 1.2)
-                wait = min(max(exc.after if exc.after is not None else backoff, 0.0), self.max_wait)
-                while wait > 0:  # a long Retry-After keeps the lease
-                    step = min(wait, self.lease_ms / 3000)
-                    await asyncio.sleep(step)
-                    wait -= step
-                    if renew is not None:
-                        await renew()
+                await asyncio.sleep(min(max(exc.after if exc.after is not None else backoff, 0.0), self.max_wait))
         raise AssertionError("unreachable")
 
 
@@ -300,23 +295,56 @@ class _Session:
         self.refs = dict(state.refs)
         self.open_turn: str | None = None  # a turn that began and has shown nothing yet
         self.open_since = 0.0
-        self.renewed = time.monotonic()
+        self.released = False
 
     async def mark(self, **fields: Any) -> bool | None:
         done = await self.relay.deliveries.mark(self.sid, self.dest.name, self.token, self.relay.lease_ms, **fields)
         if done is False:
             raise _LeaseLost
-        self.renewed = time.monotonic()
         return done
 
-    async def renew(self) -> None:
-        await self.mark()
+    @contextlib.asynccontextmanager
+    async def held(self) -> AsyncIterator[None]:
+        """The lease renewed every third of its time for as long as this relay works on the
+        session (a slow call to the destination does not let it lapse); if it is lost anyway
+        (this process stalled), the work stops: the relay that took over goes on."""
+        work = asyncio.current_task()
+        assert work is not None
+        lost = False
+
+        async def keep() -> None:
+            nonlocal lost
+            while True:
+                await asyncio.sleep(self.relay.lease_ms / 3000)
+                if self.released:
+                    return
+                try:
+                    await self.mark()
+                except _LeaseLost:
+                    if not self.released:  # (not lost: given back meanwhile)
+                        lost = True
+                        work.cancel()
+                    return
+                except Exception as exc:  # Redis away for a moment: the work fails the same way
+                    log.warning("relay: renewing the lease on %s failed (%s)", self.sid, exc)
+
+        keeper = asyncio.create_task(keep(), name=f"keel-relay-lease-{self.sid}")
+        try:
+            yield
+        except asyncio.CancelledError:
+            if lost:
+                raise _LeaseLost from None
+            raise
+        finally:
+            keeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await keeper
 
     async def recover(self) -> None:
         """Refs left in doubt by a relay that died: learn which posts were made."""
         if not self.doubt:
             return
-        found = await self.relay._attempt(lambda: self.dest.find(self.doubt, self.where, self.last), self.renew)
+        found = await self.relay._attempt(lambda: self.dest.find(self.doubt, self.where, self.last))
         self.refs.update(found)
         log.info(
             "relay: %s/%s took over with %d post(s) in doubt, %d found",
@@ -339,8 +367,6 @@ class _Session:
                 if not isinstance(item, StoredEvent):
                     continue  # live events (message.delta) are not delivered
                 await self.deliver(item)
-                if time.monotonic() - self.renewed > self.relay.lease_ms / 3000:
-                    await self.renew()  # a long run of events with nothing to post
                 if item.type == "turn.started":
                     self.open_turn, self.open_since = _turn_of(item), time.monotonic()
                 if item.type in SETTLING and await self._quiet():
@@ -351,17 +377,16 @@ class _Session:
     async def _quiet(self) -> bool:
         """Give the lease back if the session has nothing more to deliver."""
         cursor = self.seen if self.seen != self.cursor else None
-        return bool(await self.mark(cursor=cursor, check=self.seen, release=True))
+        self.released = bool(await self.mark(cursor=cursor, check=self.seen, release=True))
+        return self.released
 
     async def _silence(self) -> None:
-        """Nothing new: renew the lease; a turn silent for a while gets its working post."""
+        """Nothing new: a turn silent for a while gets its working post."""
         if self.open_turn is not None and time.monotonic() - self.open_since >= self.relay.working_after:
             out = self.dest.working(self.open_turn, self.where)
             self.open_turn = None
             if out is not None and out.ref not in self.refs:
                 await self._post_all([out], event_id=None)
-                return
-        await self.renew()
 
     async def deliver(self, event: StoredEvent, *, move_cursor: bool = True) -> None:
         outs = self.dest.render(event, self.where, self.refs)
@@ -389,13 +414,13 @@ class _Session:
                     if out.ref in self.refs:
                         continue
                     failpoints.reached("relay.before_send")
-                    handle = await relay._attempt(lambda o=out: dest.send(o, self.where, None), self.renew)
+                    handle = await relay._attempt(lambda o=out: dest.send(o, self.where, None))
                     failpoints.reached("relay.after_send")
                     self.refs[out.ref] = made[out.ref] = self.last = handle
                 else:
                     target = self.refs.get(out.ref)
                     if target is not None:
-                        await relay._attempt(lambda o=out, h=target: dest.send(o, self.where, h), self.renew)
+                        await relay._attempt(lambda o=out, h=target: dest.send(o, self.where, h))
         except Undeliverable as exc:
             error = str(exc)
         for ref in forget:

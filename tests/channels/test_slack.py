@@ -371,3 +371,25 @@ async def test_an_accepted_event_or_click_costs_one_redis_round_trip(
     assert (await click(c, click_body(ask, "approve"))).status_code == 200
     assert trips == ["wire"]
     await slack.until(lambda s: any(m.text == "done: wiped a" for m in s.posts(thread)))
+
+
+async def test_two_processes_deliver_each_reply_once_in_order(keel: Any, slack: FakeSlack) -> None:
+    """Both run turns and relays on one Redis; a conversation's messages arrive at either."""
+    a, b = await keel(echo_agent()), await keel(echo_agent())
+    threads = [f"1700002000.{n:06d}" for n in range(20)]
+    await asyncio.gather(
+        *(post_event((a, b)[n % 2], event_body(f"<@{BOT}> t{n}", ts=t)) for n, t in enumerate(threads))
+    )
+    for k in range(3):  # each thread's follow-ups, one after another, alternating processes
+        await asyncio.gather(
+            *(
+                post_event(
+                    (b, a)[(n + k) % 2],
+                    event_body(f"f{k}", ts=f"1700002001.{n:04d}{k:02d}", kind="message", thread_ts=t),
+                )
+                for n, t in enumerate(threads)
+            )
+        )
+    await slack.until(lambda s: len(s.posts()) >= 80, timeout=60)
+    for n, t in enumerate(threads):
+        assert replies(slack, t) == [f"re:t{n}", "re:f0", "re:f1", "re:f2"]
