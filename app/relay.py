@@ -6,7 +6,7 @@
 
 A retried event is reconciled with the destination first (a post that did arrive is not made
 twice) and delivered by whichever keel process serves that destination, out of order by then.
-REDIS_URL names the Redis (with the embedded Valkey, the URL `python -m app` prints at start)."""
+REDIS_URL names the Redis (with the embedded Valkey, the URL `python -m app` logs at start)."""
 
 from __future__ import annotations
 
