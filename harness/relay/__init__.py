@@ -1,0 +1,217 @@
+"""The delivery relay: a session's committed events reach a webhook channel's destination (a
+Slack thread, a Linear agent session, a subscriber's URL) from the outbox, not from the process
+that ran the turn, so a crash anywhere loses nothing and repeats nothing.
+
+Per session and destination one relay delivers at a time (a lease in Redis, fenced by its
+token), from a durable cursor, in session order. A destination renders each event into
+`Outbound` calls; a post is named by a `ref`, unique in the session, that the destination
+carries with the post (Slack: in the message's metadata). Before a post the relay writes the
+refs it is about to post as *in doubt*; after them it moves the cursor and clears the doubt. A
+relay that takes over a session with refs in doubt asks the destination which of them it has
+(`find`) and posts only the others: a crash between a post and the cursor repeats nothing.
+Updates (`chat.update`) are idempotent and simply made again.
+
+Work comes as relay jobs ("session S has events for destination D"), queued with the write that
+makes the events (a webhook message, an answer): a relay follows the session until it is quiet
+(not running, nothing queued, every event delivered), then gives the lease back and
+acknowledges its jobs. A relay that died leaves its jobs pending: another process reclaims them
+and, once the lease lapsed, goes on from the cursor.
+
+A call the destination cannot take now (`Retry`: rate limited, unreachable) is tried again
+after the delay it names, up to `attempts` times; one it refuses (`Undeliverable`), or one that
+ran out of attempts, becomes a dead letter (listed and retried with `python -m app.relay`)
+and the relay moves on."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from dataclasses import dataclass
+from typing import Any
+
+from harness.ids import just_before, new_id
+from harness.relay.destination import Destination, Outbound, RelayStats, Retry, Undeliverable
+from harness.relay.session import LeaseLost, Session
+from harness.store import Deliveries, DeliveryState, Outbox, Store, relay_queue
+
+log = logging.getLogger("keel.relay")
+REPORT_EVERY_S = 60.0
+
+
+@dataclass
+class _Task:
+    jobs: list[str]
+    kicked: bool = False
+
+
+class Relay:
+    def __init__(
+        self,
+        store: Store,
+        outbox: Outbox,
+        destinations: list[Destination],
+        *,
+        lease_ms: int = 5_000,
+        attempts: int = 6,
+        max_wait: float = 60.0,
+        working_after: float = 1.0,
+        concurrency: int = 256,
+    ) -> None:
+        self.store = store
+        self.outbox = outbox
+        self.deliveries = Deliveries(store.redis, store.wire)
+        self.queue = relay_queue(store.redis)
+        self.destinations = {d.name: d for d in destinations}
+        self.lease_ms = lease_ms
+        self.attempts = attempts
+        self.max_wait = max_wait
+        self.working_after = working_after
+        self.concurrency = concurrency
+        self.stats = RelayStats()
+        self._tasks: dict[tuple[str, str, str], _Task] = {}
+        self._running: set[asyncio.Task[None]] = set()
+        self._loop: asyncio.Task[None] | None = None
+        self._slots = asyncio.Semaphore(concurrency)
+
+    async def start(self) -> None:
+        await self.queue.ensure_group()
+        self._loop = asyncio.create_task(self._take_jobs(), name="relay")
+
+    async def stop(self) -> None:
+        tasks = [t for t in (self._loop, *self._running) if t is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+    # ---- jobs ----------------------------------------------------------------------------
+
+    async def _take_jobs(self) -> None:
+        loop = asyncio.get_running_loop()
+        next_reclaim = 0.0
+        next_report, reported = loop.time() + REPORT_EVERY_S, 0
+        while True:
+            try:
+                if loop.time() >= next_report:  # the relay's figures in the log, when it worked
+                    next_report = loop.time() + REPORT_EVERY_S
+                    if self.stats.delivered + self.stats.dead != reported:
+                        reported = self.stats.delivered + self.stats.dead
+                        log.info("relay: %s", self.stats.summary())
+                jobs = []
+                if loop.time() >= next_reclaim:
+                    next_reclaim = loop.time() + max(self.lease_ms / 1000, 1.0)
+                    jobs = await self.queue.reclaim(min_idle_ms=2 * self.lease_ms)
+                free = self.concurrency - len(self._tasks)
+                if free > 0:
+                    jobs += await self.queue.take(count=min(free, 100), block_ms=1000)
+                else:
+                    await asyncio.sleep(0.05)
+                for job_id, what in jobs:
+                    self._dispatch(job_id, what)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # Redis away: wait and go on; jobs stay in the stream
+                log.warning("relay: reading jobs failed (%s); trying again", exc)
+                await asyncio.sleep(1.0)
+
+    def _dispatch(self, job_id: str, what: str) -> None:
+        sid, _, rest = what.partition(" ")
+        dest, _, event_id = rest.partition(" ")
+        if dest not in self.destinations:
+            log.warning("relay: a job for %s, which this process does not serve: left for another", dest)
+            return
+        key = (sid, dest, event_id)
+        task = self._tasks.get(key)
+        if task is not None:
+            task.jobs.append(job_id)
+            task.kicked = True
+            return
+        self._tasks[key] = _Task([job_id])
+        runner = asyncio.create_task(self._serve(key), name=f"relay {sid} {dest}")
+        self._running.add(runner)
+        runner.add_done_callback(self._running.discard)
+
+    async def _serve(self, key: tuple[str, str, str]) -> None:
+        """Deliver until the session is quiet, then acknowledge the jobs (those that came in
+        meanwhile too); a failure leaves them to be taken again."""
+        sid, dest, event_id = key
+        task = self._tasks[key]
+        finished = False
+        try:
+            while True:
+                task.kicked = False
+                if event_id:
+                    await self._redeliver(sid, self.destinations[dest], event_id)
+                else:
+                    await self._follow(sid, self.destinations[dest])
+                if not task.kicked:
+                    finished = True
+                    break
+        except LeaseLost:
+            log.info("relay: %s lost its lease on %s; another relay delivers", dest, sid)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.warning("relay: delivering %s to %s stopped (%s); its job will be taken again", sid, dest, exc)
+        finally:
+            del self._tasks[key]
+        if finished:
+            with contextlib.suppress(Exception):
+                await self.queue.done(*task.jobs)
+
+    # ---- one session ---------------------------------------------------------------------
+
+    async def _take(self, sid: str, dest: Destination, token: str) -> DeliveryState:
+        while True:
+            state = await self.deliveries.take(sid, dest.name, token, self.lease_ms)
+            if isinstance(state, DeliveryState):
+                return state
+            await asyncio.sleep(min(state, 250) / 1000)  # another relay delivers: it gives back soon
+
+    async def _follow(self, sid: str, dest: Destination) -> None:
+        token = new_id("rly")
+        state = await self._take(sid, dest, token)
+        if not state.exists:
+            await self.deliveries.mark(sid, dest.name, token, self.lease_ms, release=True)
+            return
+        session = Session(self, sid, dest, token, state)
+        async with session.held():
+            await session.recover()
+            await session.follow()
+
+    async def _redeliver(self, sid: str, dest: Destination, event_id: str) -> None:
+        """An operator's retry of a dead letter: the event's posts that the destination does
+        not have are made (out of order by then); the cursor is not moved."""
+        token = new_id("rly")
+        state = await self._take(sid, dest, token)
+        session = Session(self, sid, dest, token, state)
+        async with session.held():
+            events = await self.store.events(sid, just_before(event_id), count=1)
+            if events and events[0].id == event_id and state.exists:
+                outs = dest.render(events[0], state.metadata, session.refs)
+                posts = [o.ref for o in outs if o.kind == "post" and o.ref not in session.refs]
+                if posts:
+                    session.refs.update(await self.attempt(lambda: dest.find(posts, state.metadata, "")))
+                await session.deliver(events[0], move_cursor=False)
+        await session.mark(release=True)
+        session.released = True
+
+    async def attempt(self, call: Any) -> Any:
+        """`call()` until it succeeds, waiting as each Retry says; Undeliverable once the
+        attempts are spent."""
+        for attempt in range(1, self.attempts + 1):
+            try:
+                return await call()
+            except Retry as exc:
+                if attempt == self.attempts:
+                    raise Undeliverable(f"{exc} (gave up after {attempt} attempts)") from exc
+                self.stats.retries += 1
+                backoff = 2.0 ** (attempt - 1) * random.uniform(0.8, 1.2)
+                await asyncio.sleep(min(max(exc.after if exc.after is not None else backoff, 0.0), self.max_wait))
+        raise AssertionError("unreachable")
+
+
+__all__ = ["Destination", "Outbound", "Relay", "RelayStats", "Retry", "Undeliverable"]

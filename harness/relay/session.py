@@ -1,0 +1,194 @@
+"""One relay's hold on one session's deliveries to one destination: the lease kept while it
+works, refs in doubt reconciled, events followed from the cursor until the session is quiet."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from harness import failpoints
+from harness.events import StoredEvent, decode_data
+from harness.relay.destination import Destination, Outbound, Undeliverable
+from harness.store import DeliveryState
+
+if TYPE_CHECKING:
+    from harness.relay import Relay
+
+log = logging.getLogger("keel.relay")
+SETTLING = frozenset(
+    {"turn.completed", "turn.failed", "turn.cancelled", "input.requested", "compaction.completed", "context.cleared"}
+)
+
+
+class LeaseLost(Exception):
+    """Another relay holds the session now (this one stalled past its lease)."""
+
+
+class Session:
+    """One relay's hold on one session's deliveries to one destination."""
+
+    def __init__(self, relay: Relay, sid: str, dest: Destination, token: str, state: DeliveryState) -> None:
+        self.relay = relay
+        self.sid = sid
+        self.dest = dest
+        self.token = token
+        self.where = state.metadata
+        self.cursor = state.cursor  # delivered up to here (written)
+        self.seen = state.cursor  # read up to here (written lazily when nothing was posted)
+        self.doubt = state.doubt
+        self.last = state.last
+        self.refs = dict(state.refs)
+        self.open_turn: str | None = None  # a turn that began and has shown nothing yet
+        self.open_since = 0.0
+        self.released = False
+
+    async def mark(self, **fields: Any) -> bool | None:
+        done = await self.relay.deliveries.mark(self.sid, self.dest.name, self.token, self.relay.lease_ms, **fields)
+        if done is False:
+            raise LeaseLost
+        return done
+
+    @contextlib.asynccontextmanager
+    async def held(self) -> AsyncIterator[None]:
+        """The lease renewed every third of its time for as long as this relay works on the
+        session (a slow call to the destination does not let it lapse); if it is lost anyway
+        (this process stalled), the work stops: the relay that took over goes on."""
+        work = asyncio.current_task()
+        assert work is not None
+        lost = False
+
+        async def keep() -> None:
+            nonlocal lost
+            while True:
+                await asyncio.sleep(self.relay.lease_ms / 3000)
+                if self.released:
+                    return
+                try:
+                    await self.mark()
+                except LeaseLost:
+                    if not self.released:  # (not lost: given back meanwhile)
+                        lost = True
+                        work.cancel()
+                    return
+                except Exception as exc:  # Redis away for a moment: the work fails the same way
+                    log.warning("relay: renewing the lease on %s failed (%s)", self.sid, exc)
+
+        keeper = asyncio.create_task(keep(), name=f"keel-relay-lease-{self.sid}")
+        try:
+            yield
+        except asyncio.CancelledError:
+            if lost:
+                raise LeaseLost from None
+            raise
+        finally:
+            keeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await keeper
+
+    async def recover(self) -> None:
+        """Refs left in doubt by a relay that died: learn which posts were made."""
+        if not self.doubt:
+            return
+        found = await self.relay.attempt(lambda: self.dest.find(self.doubt, self.where, self.last))
+        self.refs.update(found)
+        log.info(
+            "relay: %s/%s took over with %d post(s) in doubt, %d found",
+            self.sid,
+            self.dest.name,
+            len(self.doubt),
+            len(found),
+        )
+
+    async def follow(self) -> None:
+        heartbeat = min(self.relay.working_after, self.relay.lease_ms / 3000)
+        stream = self.relay.outbox.tail(self.sid, self.cursor, heartbeat=heartbeat)
+        try:
+            async for item in stream:
+                if item is None:
+                    await self._silence()
+                    if await self._quiet():
+                        return
+                    continue
+                if not isinstance(item, StoredEvent):
+                    continue  # live events (message.delta) are not delivered
+                await self.deliver(item)
+                if item.type == "turn.started":
+                    self.open_turn, self.open_since = _turn_of(item), time.monotonic()
+                if item.type in SETTLING and await self._quiet():
+                    return
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]
+
+    async def _quiet(self) -> bool:
+        """Give the lease back if the session has nothing more to deliver."""
+        cursor = self.seen if self.seen != self.cursor else None
+        self.released = bool(await self.mark(cursor=cursor, check=self.seen, release=True))
+        return self.released
+
+    async def _silence(self) -> None:
+        """Nothing new: a turn silent for a while gets its working post."""
+        if self.open_turn is not None and time.monotonic() - self.open_since >= self.relay.working_after:
+            out = self.dest.working(self.open_turn, self.where)
+            self.open_turn = None
+            if out is not None and out.ref not in self.refs:
+                await self._post_all([out], event_id=None)
+
+    async def deliver(self, event: StoredEvent, *, move_cursor: bool = True) -> None:
+        outs = self.dest.render(event, self.where, self.refs)
+        self.seen = event.id if move_cursor else self.seen
+        if not outs:
+            return
+        self.open_turn = None
+        await self._post_all(outs, event_id=event.id, event=event, move_cursor=move_cursor)
+
+    async def _post_all(
+        self, outs: list[Outbound], *, event_id: str | None, event: StoredEvent | None = None, move_cursor: bool = True
+    ) -> None:
+        relay, dest = self.relay, self.dest
+        posts = [o.ref for o in outs if o.kind == "post" and o.ref not in self.refs]
+        if posts:
+            await self.mark(doubt=posts)
+        made: dict[str, str] = {}
+        forget: list[str] = []
+        error = None
+        try:
+            for out in outs:
+                if out.kind == "forget":
+                    forget.append(out.ref)
+                elif out.kind == "post":
+                    if out.ref in self.refs:
+                        continue
+                    failpoints.reached("relay.before_send")
+                    handle = await relay.attempt(lambda o=out: dest.send(o, self.where, None))
+                    failpoints.reached("relay.after_send")
+                    self.refs[out.ref] = made[out.ref] = self.last = handle
+                else:
+                    target = self.refs.get(out.ref)
+                    if target is not None:
+                        await relay.attempt(lambda o=out, h=target: dest.send(o, self.where, h))
+        except Undeliverable as exc:
+            error = str(exc)
+        for ref in forget:
+            self.refs.pop(ref, None)
+        keep = {o.ref: made[o.ref] for o in outs if o.kind == "post" and o.keep and o.ref in made}
+        if event is not None and error is not None:
+            relay.stats.dead += 1
+            log.warning("relay: event %s of %s could not reach %s: %s", event.id, self.sid, dest.name, error)
+            letter = relay.deliveries.letter(self.sid, event.id, dest.name, error, relay.attempts)
+            await relay.deliveries.bury(letter)
+        cursor = event.id if event is not None and move_cursor else None
+        await self.mark(cursor=cursor, doubt=[], last=self.last if made else None, keep=keep, forget=forget)
+        if cursor is not None:
+            self.cursor = self.seen = cursor
+        if event is not None and error is None:
+            relay.stats.delivered += 1
+            relay.stats.lags.append(time.time() - int(event.id.split("-")[0]) / 1000)
+
+
+def _turn_of(event: StoredEvent) -> str:
+    turn: Any = decode_data(event.raw).get("turn_id")
+    return str(turn or "")
