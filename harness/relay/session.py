@@ -105,7 +105,7 @@ class Session:
 
     async def follow(self) -> None:
         heartbeat = min(self.relay.working_after, self.relay.lease_ms / 3000)
-        stream = self.relay.outbox.tail(self.sid, self.cursor, heartbeat=heartbeat)
+        stream = self.relay.outbox.tail(self.sid, self.cursor, heartbeat=heartbeat, deltas=False)
         try:
             async for item in stream:
                 if item is None:

@@ -37,7 +37,7 @@ LIVE_MAX = 1024  # live events a watch holds for a reader that does not take the
 
 
 class Watch:
-    def __init__(self, after: str | None, *, settled_only: bool = False) -> None:
+    def __init__(self, after: str | None, *, settled_only: bool = False, live: bool = True) -> None:
         self._woken = False  # woken since its reader last waited
         self._news = False  # ... by a commit (not only by live events): the reader reads
         self._live: list[LiveEvent] = []
@@ -45,6 +45,7 @@ class Watch:
         self.seen = after  # the newest event id its reader has read (None: not known yet)
         self.last_seq: int | None = None  # ... and its seq (None: not known: read the stream)
         self.settled_only = settled_only  # local wake-ups only for commits that settle a turn
+        self.live = live and not settled_only  # takes live events (message.delta)
         self._pushed: list[StoredEvent] = []
         self._overflow = False
 
@@ -180,21 +181,24 @@ class EventHub:
 
     def _arrived(self, sid: str, event: LiveEvent) -> None:
         for w in self._watches.get(sid, ()):
-            if not w.settled_only:
+            if w.live:
                 w.push_live(event)
 
     @contextlib.asynccontextmanager
-    async def watch(self, sid: str, after: str | None, *, settled_only: bool = False) -> AsyncIterator[Watch]:
+    async def watch(
+        self, sid: str, after: str | None, *, settled_only: bool = False, live: bool = True
+    ) -> AsyncIterator[Watch]:
         """Wake-ups for events after `after`, the id the caller has read up to. The poller
         starts from the oldest such id, so an event committed elsewhere after the caller's
         read can only wake it (perhaps needlessly), never be missed. Commits in this process
         wake every watch of the session. A watch opened with None learns its position later
-        (`follow`); until then only local commits wake it."""
-        w = Watch(after, settled_only=settled_only)
+        (`follow`); until then only local commits wake it. Without `live` (or with
+        `settled_only`) it takes no live events, and costs no pub/sub subscription."""
+        w = Watch(after, settled_only=settled_only, live=live)
         self._watches.setdefault(sid, set()).add(w)
         if after is not None:
             self.follow(sid, w, after)
-        relay = None if settled_only else self._relay  # (a turn's waiter wants no live events)
+        relay = self._relay if w.live else None
         try:
             if relay is not None:
                 await relay.follow(sid)

@@ -33,15 +33,15 @@ class Outbox:
         return batch, from_stream and len(batch) == BATCH
 
     async def tail(
-        self, sid: str, after: str, *, heartbeat: float, gate: asyncio.Semaphore | None = None
+        self, sid: str, after: str, *, heartbeat: float, gate: asyncio.Semaphore | None = None, deltas: bool = True
     ) -> AsyncIterator[StoredEvent | LiveEvent | None]:
         """Events after `after`, then live ones, forever, with the session's live events
         (`message.delta`) as they come, except those of an item whose message.completed this
-        reader has had. Yields None after `heartbeat` seconds without an event (for
-        keep-alives). The caller checks ownership first. `gate` bounds how many readers do their
+        reader has had (none without `deltas`). Yields None after `heartbeat` seconds without an
+        event (for keep-alives). The caller checks ownership first. `gate` bounds how many readers do their
         first (replay) read at once."""
         completed: deque[str] = deque(maxlen=COMPLETED_KEPT)
-        async with self.hub.watch(sid, after) as watch:
+        async with self.hub.watch(sid, after, live=deltas) as watch:
             read = True
             if gate is not None:
                 async with gate:
