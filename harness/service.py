@@ -245,16 +245,17 @@ class Harness:
             await self._wake(sid, res.job_id)
         return res
 
-    async def cancel(self, sid: str, owner: str, turn_id: str | None = None) -> str:
+    async def cancel(self, sid: str, owner: str, turn_id: str | None = None, *, deliver_to: str | None = None) -> str:
         """End the turn in progress (or the next queued one), or only `turn_id` if given (so a
-        repeated cancel cannot end the turn after it). Returns the turn id."""
+        repeated cancel cannot end the turn after it). Returns the turn id. A webhook channel
+        has the relay told (`deliver_to`), in the same round trip."""
         check_session_id(sid)
-        cancelled = await self.store.cancel(sid, owner, turn_id or "")
+        cancelled, job_id = await self.store.cancel(sid, owner, turn_id or "", deliver_to=deliver_to)
         if cancelled is None:
             what = f"turn {turn_id} is not in progress" if turn_id else "there is no turn to cancel"
             raise Conflict(what, code="nothing_to_cancel")
         self.hub.cancel(sid, cancelled)  # a model call of it streaming anywhere stops now
-        await self._wake(sid)
+        await self._wake(sid, job_id)
         return cancelled
 
     async def compact(self, sid: str, owner: str) -> str:

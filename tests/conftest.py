@@ -172,3 +172,14 @@ async def serve(valkey: ValkeyServer, redis: Redis) -> AsyncIterator[Callable[..
     yield start
     for live in servers:
         await live.stop()
+
+
+@pytest.fixture
+def slack() -> Iterator[Any]:
+    """A local server speaking Slack's Web API (in a thread of its own: it outlives the keel
+    processes a crash test kills): a `tests.channels.slack_server.FakeSlack`."""
+    from tests.channels.slack_server import FakeSlack  # (it imports this module)
+
+    fake = FakeSlack().start()
+    yield fake
+    fake.stop()

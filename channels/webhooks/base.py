@@ -147,7 +147,7 @@ async def perform(harness: Harness, destination: str, call: Submit | Answer | Ca
             call.session_id, call.owner, call.request_id, call.decision, by=call.by, deliver_to=destination
         )
     else:
-        await harness.cancel(call.session_id, call.owner, call.turn_id)
+        await harness.cancel(call.session_id, call.owner, call.turn_id, deliver_to=destination)
 
 
 def _after(later: list[Later]) -> BackgroundTask:

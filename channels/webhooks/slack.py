@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs
 
+import aiohttp
 from slack_sdk.signature import SignatureVerifier
 from slack_sdk.web.async_client import AsyncWebClient
 from starlette.datastructures import Headers
@@ -46,6 +47,7 @@ SLACK_ID = re.compile(r"^[A-Za-z0-9]{1,40}$")
 SLACK_TS = re.compile(r"^\d{1,12}\.\d{1,8}$")
 KEPT_SUBTYPES = frozenset({None, "thread_broadcast", "file_share"})  # other subtypes: edits, joins, bots...
 ACTIONS = {"keel_approve": "approve", "keel_deny": "deny"}
+WEB_API_CONNECTIONS = 32  # connections to the Web API a process keeps at most
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,12 @@ class SlackChannel:
         return [("/v1/slack/events", "events"), ("/v1/slack/interactivity", "interactivity")]
 
     async def start(self) -> None:
+        # one HTTP session for every Web API call (slack_sdk opens one per call without it: a
+        # new connection, and against Slack a TLS handshake, for every post)
+        self.client.session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=self.client.timeout),
+            connector=aiohttp.TCPConnector(limit=WEB_API_CONNECTIONS),
+        )
         try:
             res = await self.client.auth_test()
             self.bot_user = str(res.get("user_id") or "") or None
@@ -83,7 +91,7 @@ class SlackChannel:
             log.warning("slack: auth.test failed (%s); the bot's user id comes from the next event", exc)
 
     async def stop(self) -> None:
-        session = getattr(self.client, "session", None)
+        session, self.client.session = self.client.session, None
         if session is not None:
             await session.close()
 

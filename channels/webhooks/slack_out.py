@@ -132,12 +132,18 @@ class SlackDestination:
         return self._settle(wait, refs, "_(no reply)_")  # turn.completed with a working post left
 
     def _reply(self, event_id: str, text: str, wait: str, refs: Mapping[str, str]) -> list[Outbound]:
-        chunks = _chunks(text)
-        outs: list[Outbound] = []
-        if wait in refs:  # the first part replaces the working post
-            outs += self._settle(wait, refs, chunks.pop(0))
-        outs += [Outbound("post", f"e:{event_id}:{n}", {"text": c}) for n, c in enumerate(chunks)]
-        return outs
+        """The reply's parts, named by their place in the whole text; the first replaces the
+        working post if there is one, and the post takes that part's name (in its metadata) so
+        a later reconcile finds it under either."""
+        parts = [(f"e:{event_id}:{n}", c) for n, c in enumerate(_chunks(text))]
+        if wait not in refs:
+            return [Outbound("post", ref, {"text": c}) for ref, c in parts]
+        (first, text0), rest = parts[0], parts[1:]
+        return [
+            Outbound("update", wait, {"text": text0, "as": first}),
+            Outbound("forget", wait),
+            *(Outbound("post", ref, {"text": c}) for ref, c in rest),
+        ]
 
     @staticmethod
     def _settle(wait: str, refs: Mapping[str, str], text: str) -> list[Outbound]:
@@ -161,13 +167,21 @@ class SlackDestination:
         blocks = out.body.get("blocks")
         if out.kind == "update":
             assert handle is not None
-            await self._call(
-                self.client.chat_update,
-                channel=channel,
-                ts=handle,
-                text=out.body["text"],
-                blocks=blocks or [{"type": "section", "text": {"type": "mrkdwn", "text": out.body["text"]}}],
-            )
+            renamed = out.body.get("as")  # the post is a reply's part from now on
+            try:
+                await self._call(
+                    self.client.chat_update,
+                    channel=channel,
+                    ts=handle,
+                    text=out.body["text"],
+                    blocks=blocks or [{"type": "section", "text": {"type": "mrkdwn", "text": out.body["text"]}}],
+                    metadata=_metadata(renamed) if renamed else None,
+                )
+            except Undeliverable as exc:
+                if not renamed or "message_not_found" not in str(exc):
+                    raise
+                # the working post was deleted: the part is posted instead
+                return await self.send(Outbound("post", renamed, {"text": out.body["text"]}), where, None)
             return handle
         res = await self._call(
             self.client.chat_postMessage,
@@ -175,7 +189,7 @@ class SlackDestination:
             thread_ts=thread_ts,
             text=out.body["text"],
             blocks=blocks,
-            metadata={"event_type": POST_TYPE, "event_payload": {"ref": out.ref}},
+            metadata=_metadata(out.ref),
         )
         return str(res["ts"])
 
@@ -222,6 +236,11 @@ class SlackDestination:
             raise Undeliverable(f"Slack refused: {error or status}") from None
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             raise Retry(f"Slack unreachable: {type(exc).__name__}", None) from None
+
+
+def _metadata(ref: str) -> dict[str, Any]:
+    """What a post carries so a reconcile can tell it was made: its ref."""
+    return {"event_type": POST_TYPE, "event_payload": {"ref": ref}}
 
 
 def _seconds(value: Any) -> float:

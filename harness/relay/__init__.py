@@ -31,10 +31,10 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from harness.ids import just_before, new_id
+from harness.ids import new_id
 from harness.relay.destination import Destination, Outbound, RelayStats, Retry, Undeliverable
 from harness.relay.session import LeaseLost, Session
-from harness.store import Deliveries, DeliveryState, Outbox, Store, relay_queue
+from harness.store import Deliveries, Outbox, Store, relay_queue
 
 log = logging.getLogger("keel.relay")
 REPORT_EVERY_S = 60.0
@@ -143,10 +143,7 @@ class Relay:
         try:
             while True:
                 task.kicked = False
-                if event_id:
-                    await self._redeliver(sid, self.destinations[dest], event_id)
-                else:
-                    await self._follow(sid, self.destinations[dest])
+                await self._follow(sid, self.destinations[dest], event_id)
                 if not task.kicked:
                     finished = True
                     break
@@ -164,40 +161,29 @@ class Relay:
 
     # ---- one session ---------------------------------------------------------------------
 
-    async def _take(self, sid: str, dest: Destination, token: str) -> DeliveryState:
-        while True:
-            state = await self.deliveries.take(sid, dest.name, token, self.lease_ms)
-            if isinstance(state, DeliveryState):
-                return state
-            await asyncio.sleep(min(state, 250) / 1000)  # another relay delivers: it gives back soon
-
-    async def _follow(self, sid: str, dest: Destination) -> None:
+    async def _follow(self, sid: str, dest: Destination, redeliver: str = "") -> None:
+        """Deliver the session's events until it is quiet (and the dead letter `redeliver`).
+        A session another relay holds is left to it: the holder gives the lease back only once
+        the session is quiet, so it delivers what this job is for (a redelivery, which only
+        this job knows of, waits for the lease instead)."""
         token = new_id("rly")
-        state = await self._take(sid, dest, token)
-        if not state.exists:
-            await self.deliveries.mark(sid, dest.name, token, self.lease_ms, release=True)
-            return
-        session = Session(self, sid, dest, token, state)
+        while True:
+            taken = await self.deliveries.take(sid, dest.name, token, self.lease_ms)
+            if isinstance(taken, int):
+                if not redeliver:
+                    return
+                await asyncio.sleep(min(taken, 250) / 1000)
+                continue
+            if taken.exists:
+                break
+            # no such session: quiet, unless its first message made it meanwhile (then the
+            # lease is still ours: take it again for the state)
+            if await self.deliveries.mark(sid, dest.name, token, self.lease_ms, check="", release=True):
+                return
+        session = Session(self, sid, dest, token, taken, redeliver=redeliver)
         async with session.held():
             await session.recover()
             await session.follow()
-
-    async def _redeliver(self, sid: str, dest: Destination, event_id: str) -> None:
-        """An operator's retry of a dead letter: the event's posts that the destination does
-        not have are made (out of order by then); the cursor is not moved."""
-        token = new_id("rly")
-        state = await self._take(sid, dest, token)
-        session = Session(self, sid, dest, token, state)
-        async with session.held():
-            events = await self.store.events(sid, just_before(event_id), count=1)
-            if events and events[0].id == event_id and state.exists:
-                outs = dest.render(events[0], state.metadata, session.refs)
-                posts = [o.ref for o in outs if o.kind == "post" and o.ref not in session.refs]
-                if posts:
-                    session.refs.update(await self.attempt(lambda: dest.find(posts, state.metadata, "")))
-                await session.deliver(events[0], move_cursor=False)
-        await session.mark(release=True)
-        session.released = True
 
     async def attempt(self, call: Any) -> Any:
         """`call()` until it succeeds, waiting as each Retry says; Undeliverable once the

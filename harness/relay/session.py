@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from harness import failpoints
 from harness.events import StoredEvent, decode_data
+from harness.ids import just_before
 from harness.relay.destination import Destination, Outbound, Undeliverable
 from harness.store import DeliveryState
 
@@ -31,7 +32,9 @@ class LeaseLost(Exception):
 class Session:
     """One relay's hold on one session's deliveries to one destination."""
 
-    def __init__(self, relay: Relay, sid: str, dest: Destination, token: str, state: DeliveryState) -> None:
+    def __init__(
+        self, relay: Relay, sid: str, dest: Destination, token: str, state: DeliveryState, *, redeliver: str = ""
+    ) -> None:
         self.relay = relay
         self.sid = sid
         self.dest = dest
@@ -45,12 +48,22 @@ class Session:
         self.open_turn: str | None = None  # a turn that began and has shown nothing yet
         self.open_since = 0.0
         self.released = False
+        self.redeliver = redeliver  # an event an operator asked to deliver again (a dead letter)
+        self.valid_until = time.monotonic() + relay.lease_ms / 1000  # the lease, as far as we know
 
     async def mark(self, **fields: Any) -> bool | None:
+        asked = time.monotonic()
         done = await self.relay.deliveries.mark(self.sid, self.dest.name, self.token, self.relay.lease_ms, **fields)
         if done is False:
             raise LeaseLost
+        self.valid_until = asked + self.relay.lease_ms / 1000
         return done
+
+    def _check_lease(self) -> None:
+        """Before a call to the destination: a lease that may have lapsed (renewals failing,
+        Redis away) could be another relay's by now, and its posts ours twice."""
+        if time.monotonic() >= self.valid_until:
+            raise LeaseLost
 
     @contextlib.asynccontextmanager
     async def held(self) -> AsyncIterator[None]:
@@ -90,10 +103,22 @@ class Session:
                 await keeper
 
     async def recover(self) -> None:
-        """Refs left in doubt by a relay that died: learn which posts were made."""
+        """Refs left in doubt by a relay that died: learn which posts were made (kept ones are
+        written with the event they belong to). A destination that refuses to say is taken to
+        have them all: a post is never made twice (the log names the ones not checked)."""
         if not self.doubt:
             return
-        found = await self.relay.attempt(lambda: self.dest.find(self.doubt, self.where, self.last))
+        try:
+            found = await self.relay.attempt(lambda: self.dest.find(self.doubt, self.where, self.last))
+        except Undeliverable as exc:
+            log.warning(
+                "relay: %s/%s cannot check posts %s (%s); not posting them again",
+                self.sid,
+                self.dest.name,
+                self.doubt,
+                exc,
+            )
+            found = dict.fromkeys(self.doubt, "")
         self.refs.update(found)
         log.info(
             "relay: %s/%s took over with %d post(s) in doubt, %d found",
@@ -124,7 +149,11 @@ class Session:
             await stream.aclose()  # type: ignore[attr-defined]
 
     async def _quiet(self) -> bool:
-        """Give the lease back if the session has nothing more to deliver."""
+        """Give the lease back if the session has nothing more to deliver (caught up, and not
+        running, or waiting for an answer: the answer queues a relay job of its own). A
+        dead letter to deliver again goes first, once caught up."""
+        if self.redeliver:
+            await self._redeliver()
         cursor = self.seen if self.seen != self.cursor else None
         self.released = bool(await self.mark(cursor=cursor, check=self.seen, release=True))
         return self.released
@@ -136,6 +165,32 @@ class Session:
             self.open_turn = None
             if out is not None and out.ref not in self.refs:
                 await self._post_all([out], event_id=None)
+
+    async def _redeliver(self) -> None:
+        """The operator's retry of a dead letter: the event's posts that the destination does
+        not have are made (after what came later: out of order by then); the cursor stays."""
+        event_id, self.redeliver = self.redeliver, ""
+        relay, dest = self.relay, self.dest
+        events = await relay.store.events(self.sid, just_before(event_id), count=1)
+        if not events or events[0].id != event_id:
+            log.warning("relay: event %s of %s is gone (retention); not delivered again", event_id, self.sid)
+            return
+        outs = dest.render(events[0], self.where, self.refs)
+        posts = [o.ref for o in outs if o.kind == "post" and o.ref not in self.refs]
+        if posts:
+            try:
+                self.refs.update(await relay.attempt(lambda: dest.find(posts, self.where, "")))
+            except Undeliverable as exc:
+                await self._bury(events[0], str(exc))
+                return
+        if outs:
+            await self._post_all(outs, event_id=event_id, event=events[0], move_cursor=False)
+
+    async def _bury(self, event: StoredEvent, error: str) -> None:
+        relay = self.relay
+        relay.stats.dead += 1
+        log.warning("relay: event %s of %s could not reach %s: %s", event.id, self.sid, self.dest.name, error)
+        await relay.deliveries.bury(relay.deliveries.letter(self.sid, event.id, self.dest.name, error, relay.attempts))
 
     async def deliver(self, event: StoredEvent, *, move_cursor: bool = True) -> None:
         outs = self.dest.render(event, self.where, self.refs)
@@ -163,23 +218,23 @@ class Session:
                     if out.ref in self.refs:
                         continue
                     failpoints.reached("relay.before_send")
+                    self._check_lease()
                     handle = await relay.attempt(lambda o=out: dest.send(o, self.where, None))
                     failpoints.reached("relay.after_send")
                     self.refs[out.ref] = made[out.ref] = self.last = handle
                 else:
                     target = self.refs.get(out.ref)
-                    if target is not None:
+                    if target:  # ("" : a post made, but its handle unknown)
+                        self._check_lease()
                         await relay.attempt(lambda o=out, h=target: dest.send(o, self.where, h))
         except Undeliverable as exc:
             error = str(exc)
         for ref in forget:
             self.refs.pop(ref, None)
-        keep = {o.ref: made[o.ref] for o in outs if o.kind == "post" and o.keep and o.ref in made}
+        # kept refs: the ones posted now, and the ones a takeover found already made
+        keep = {o.ref: self.refs[o.ref] for o in outs if o.kind == "post" and o.keep and self.refs.get(o.ref)}
         if event is not None and error is not None:
-            relay.stats.dead += 1
-            log.warning("relay: event %s of %s could not reach %s: %s", event.id, self.sid, dest.name, error)
-            letter = relay.deliveries.letter(self.sid, event.id, dest.name, error, relay.attempts)
-            await relay.deliveries.bury(letter)
+            await self._bury(event, error)
         cursor = event.id if event is not None and move_cursor else None
         await self.mark(cursor=cursor, doubt=[], last=self.last if made else None, keep=keep, forget=forget)
         if cursor is not None:

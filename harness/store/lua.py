@@ -374,7 +374,8 @@ return reply({tag = 'held', state = pairs_of(redis.call('HGETALL', K.state)),
 
 # Writes delivery state if the caller still holds the lease (a relay that lost it changes
 # nothing), and renews the lease, or with `A.release` gives it up. With `A.check`, also says
-# whether the session is quiet: not running, nothing queued, and `A.check` its newest event.
+# whether the session is quiet: `A.check` is its newest event, and it waits for an answer (the
+# answer queues a relay job), or is idle with nothing queued.
 RELAY_MARK = (
     _COMMON
     + """
@@ -384,7 +385,8 @@ if A.check then
   local status = redis.call('HGET', K.meta, 'status')
   local newest = redis.call('XREVRANGE', K.outbox, '+', '-', 'COUNT', 1)
   local last = newest[1] and newest[1][1] or ''
-  quiet = status ~= 'running' and redis.call('LLEN', K.inbox) == 0 and last == A.check
+  local settled = status == 'waiting' or (status ~= 'running' and redis.call('LLEN', K.inbox) == 0)
+  quiet = settled and last == A.check
   if not quiet and A.release then return reply({tag = 'held', quiet = false}) end
 end
 if #A.set > 0 then

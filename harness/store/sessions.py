@@ -391,13 +391,23 @@ class Store:
         return [request_decoder.decode(r) for r, a in zip(requests, answers, strict=True) if r and not a]
 
     @translated
-    async def cancel(self, sid: str, owner: str, turn_id: str = "") -> str | None:
-        """Ask the current (or next) turn, or only `turn_id`, to end. Returns the turn id; None
-        if there is no such turn."""
-        res = await self._run(p.CANCEL, sid, p.CancelArgs(owner, turn_id))
+    async def cancel(
+        self, sid: str, owner: str, turn_id: str = "", *, deliver_to: str | None = None
+    ) -> tuple[str | None, str | None]:
+        """Ask the current (or next) turn, or only `turn_id`, to end. Returns the turn id (None
+        if there is no such turn) and, with `deliver_to`, the session's job, queued in the same
+        round trip with a relay job for that destination."""
+        args = p.CancelArgs(owner, turn_id)
+        job_id = None
+        if deliver_to:
+            res, job_id = await self._with_job(
+                p.CANCEL, sid, owner, args, also=[relay_job(sid, deliver_to)], look_first=False
+            )
+        else:
+            res = await self._run(p.CANCEL, sid, args)
         if isinstance(res, p.Missing):
             raise _missing(sid)
-        return res.turn_id if isinstance(res, p.Cancelling) else None
+        return (res.turn_id if isinstance(res, p.Cancelling) else None), job_id
 
     @translated
     async def renew(self, sid: str, fence: str, lease_ms: int) -> bool:

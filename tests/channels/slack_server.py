@@ -64,6 +64,7 @@ class FakeSlack:
     def __post_init__(self) -> None:
         self.lock = threading.Condition()
         self._clock = 0.0
+        self._refuse: list[tuple[str, str]] = []
         routes = [Route("/api/{method}", self._handle, methods=["GET", "POST"])]
         self.server = uvicorn.Server(
             uvicorn.Config(Starlette(routes=routes), host="127.0.0.1", port=self.port, log_level="warning")
@@ -101,6 +102,11 @@ class FakeSlack:
     def fail(self, method: str, *, status: int = 429, error: str = "", retry_after: str = "1", times: int = 1) -> None:
         with self.lock:
             self.faults.append(Fault(method, status, error, retry_after, times))
+
+    def refuse_text(self, prefix: str, error: str) -> None:
+        """The next chat.postMessage whose text starts with `prefix` gets `ok: false`."""
+        with self.lock:
+            self._refuse.append((prefix, error))
 
     def wait_until(self, check: Callable[[FakeSlack], bool], timeout: float = 15.0) -> None:
         """Block until `check(self)` holds (it is re-checked on every call the server takes)."""
@@ -143,6 +149,10 @@ class FakeSlack:
         if method == "auth.test":
             return {"ok": True, "user_id": BOT, "team_id": TEAM, "bot_id": "B0BOT"}
         if method == "chat.postMessage":
+            refused = next((r for r in self._refuse if str(a.get("text", "")).startswith(r[0])), None)
+            if refused is not None:
+                self._refuse.remove(refused)
+                return {"ok": False, "error": refused[1]}
             if not a.get("channel") or not a.get("text"):
                 return {"ok": False, "error": "no_text" if a.get("channel") else "channel_not_found"}
             if a["channel"] == "C0GONE":
@@ -158,6 +168,8 @@ class FakeSlack:
             if found is None:
                 return {"ok": False, "error": "message_not_found"}
             found.text, found.blocks = a.get("text", found.text), _json_or(a.get("blocks"))
+            if a.get("metadata"):
+                found.metadata = _json_or(a["metadata"])
             found.updates += 1
             return {"ok": True, "channel": found.channel, "ts": found.ts}
         if method == "chat.postEphemeral":

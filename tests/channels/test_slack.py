@@ -6,89 +6,18 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
-import httpx
 import pytest
 from redis.asyncio import Redis
 
 from channels.webhooks.slack import session_for
-from harness import Agent, tool
-from harness.models import ModelReply, ModelRequest, ScriptedModel, ToolCall
-from tests.channels.slack_server import BOT, SECRET, TEAM, TOKEN, FakeSlack, click_body, event_body, signed
+from harness import Agent
+from harness.models import ModelReply, ModelRequest, ScriptedModel
+from tests.channels.slack_server import BOT, TEAM, FakeSlack, click_body, event_body, signed
+from tests.channels.slack_support import click, echo_agent, post_event, replies
 
 pytestmark = pytest.mark.asyncio
-
-
-@pytest.fixture
-def slack() -> Any:
-    fake = FakeSlack().start()
-    yield fake
-    fake.stop()
-
-
-def echo_agent(ran: list[str] | None = None, gate: asyncio.Event | None = None) -> Agent:
-    ran = ran if ran is not None else []
-
-    @tool(approval=True)
-    def wipe(target: str) -> str:
-        """Wipe a target."""
-        ran.append(target)
-        return f"wiped {target}"
-
-    async def script(r: ModelRequest) -> ModelReply:
-        last = r.messages[-1]
-        if gate is not None:
-            await gate.wait()
-        if last.role == "user" and last.text.startswith("wipe "):
-            return ModelReply(tool_calls=[ToolCall("wipe", {"target": last.text[5:]})])
-        if last.role == "tool":
-            return ModelReply(text=f"done: {last.text}")
-        return ModelReply(text=f"re:{last.text}")
-
-    return Agent(instructions="t", tools=[wipe], model=ScriptedModel(script))
-
-
-@pytest.fixture
-async def keel(serve: Any, slack: FakeSlack) -> AsyncIterator[Any]:
-    """`await keel(agent, **settings)` -> a client for keel serving the Slack channel."""
-    clients: list[httpx.AsyncClient] = []
-
-    async def start(agent: Agent, **settings: Any) -> httpx.AsyncClient:
-        live = await serve(
-            agent,
-            slack_signing_secret=SECRET,
-            slack_bot_token=TOKEN,
-            slack_api_url=slack.url,
-            lease_ms=1000,
-            **settings,
-        )
-        client = live.client()
-        clients.append(client)
-        return client
-
-    yield start
-    for c in clients:
-        await c.aclose()
-
-
-async def post_event(c: httpx.AsyncClient, body: bytes, **headers: str) -> httpx.Response:
-    return await c.post(
-        "/v1/slack/events", content=body, headers={"Content-Type": "application/json", **signed(body, **headers)}
-    )
-
-
-async def click(c: httpx.AsyncClient, body: bytes, **kw: Any) -> httpx.Response:
-    return await c.post(
-        "/v1/slack/interactivity",
-        content=body,
-        headers={"Content-Type": "application/x-www-form-urlencoded", **signed(body, **kw)},
-    )
-
-
-def replies(slack: FakeSlack, thread: str) -> list[str]:
-    return [m.text for m in slack.posts(thread)]
 
 
 async def test_a_mention_is_acked_and_answered_once_in_its_thread(keel: Any, slack: FakeSlack, redis: Redis) -> None:

@@ -5,25 +5,19 @@ and the same local Slack server: every reply is posted exactly once, in session 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 from redis.asyncio import Redis
 
-from tests.channels.slack_server import BOT, SECRET, TOKEN, FakeSlack, event_body, signed
+from app.relay import retry_dead
+from tests.channels.slack_server import BOT, SECRET, TOKEN, FakeSlack, click_body, event_body, signed
+from tests.channels.slack_support import click, dead_letters, relay_done
 from tests.conftest import ValkeyServer, free_port
 from tests.service import Service
 
 THREAD = "1700000100.000100"
-
-
-@pytest.fixture
-def slack() -> Iterator[FakeSlack]:
-    fake = FakeSlack().start()
-    yield fake
-    fake.stop()
 
 
 def keel(tmp_path: Path, valkey: ValkeyServer, slack: FakeSlack) -> Service:
@@ -112,5 +106,51 @@ async def test_a_crash_in_the_middle_of_a_burst_of_posts(
         await send(svc, "last", "1700000102.000100")
         await slack.until(lambda s: len(s.posts(THREAD)) >= len(want) + 1, timeout=30)
         assert texts(slack) == [*want, "re: last"]
+    finally:
+        svc.stop()
+
+
+@pytest.mark.slow
+async def test_a_dead_letter_retried_after_a_crash_does_not_post_what_was_in_doubt_again(
+    valkey: ValkeyServer, redis: Redis, tmp_path: Path, slack: FakeSlack
+) -> None:
+    svc = keel(tmp_path, valkey, slack)
+    try:
+        svc.start(KEEL_FAILPOINTS="relay.after_send=exit")  # exits after the first post made
+        slack.fail("chat.postMessage", status=200, error="not_in_channel", times=1)
+        await send(svc, "hello", THREAD, first=True)  # its reply refused: a dead letter
+        await dead_letters(redis)
+        await send(svc, "more", "1700000101.000100")  # "re: more" posted, then the crash
+        assert await asyncio.to_thread(svc.wait_exit) == 137
+        assert texts(slack) == ["re: more"]
+        assert await retry_dead(redis, "slack") == 1  # the operator retries before keel is back
+        svc.start()
+        await slack.until(lambda s: len(s.posts(THREAD)) >= 2)
+        await relay_done(redis)
+        assert texts(slack) == ["re: more", "re: hello"]  # (the retried one after: out of order)
+    finally:
+        svc.stop()
+
+
+@pytest.mark.slow
+async def test_an_approval_post_found_after_a_crash_is_updated_when_decided(
+    valkey: ValkeyServer, redis: Redis, tmp_path: Path, slack: FakeSlack
+) -> None:
+    svc = keel(tmp_path, valkey, slack)
+    try:
+        svc.start(KEEL_FAILPOINTS="relay.after_send=exit")  # the approval message posted, then the crash
+        await send(svc, "pay 5", THREAD, first=True)
+        assert await asyncio.to_thread(svc.wait_exit) == 137
+        (ask,) = slack.posts(THREAD)
+        assert ask.blocks
+        svc.start()  # the dead relay's job is reclaimed: the post in doubt is found, not made again
+        await relay_done(redis)
+        svc.stop()  # and a restart while the request waits: the next relay knows only Redis
+        svc.start()
+        async with httpx.AsyncClient(base_url=svc.base, timeout=10) as c:
+            assert (await click(c, click_body(ask, "approve"))).status_code == 200
+        await slack.until(lambda s: any(m.text == "done: charged 5" for m in s.posts(THREAD)))
+        await slack.until(lambda s: "Approved by <@U0ALICE>" in s.posts(THREAD)[0].text)
+        assert len(slack.posts(THREAD)) == 2
     finally:
         svc.stop()

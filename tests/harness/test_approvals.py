@@ -32,7 +32,7 @@ class Stalling:
 async def cancel_unheard(h: Harness, sid: str) -> None:
     """A cancel whose notice does not reach the running model call (notices are best-effort):
     the turn learns of it at its next commit, which is what these tests are about."""
-    assert await h.store.cancel(sid, "anon")
+    assert (await h.store.cancel(sid, "anon"))[0]
     await h.store.add_job(sid)
 
 
