@@ -19,7 +19,6 @@ from channels.errors import http_error_handler, keel_error_handler
 from channels.routes import routes
 from channels.tokens import TokenSigner
 from channels.webhooks.base import WebhookChannel
-from channels.webhooks.slack import SlackChannel, SlackConfig
 from channels.websocket import WsConfig, WsStats
 from harness import Agent, Harness
 from harness.errors import KeelError
@@ -64,6 +63,8 @@ def webhook_channels(settings: Settings) -> list[WebhookChannel]:
     """The webhook channels whose settings are present."""
     channels: list[WebhookChannel] = []
     if settings.slack_signing_secret and settings.slack_bot_token:
+        from channels.webhooks.slack import SlackChannel, SlackConfig  # (slack_sdk, aiohttp: only when on)
+
         config = SlackConfig(
             settings.slack_signing_secret, settings.slack_bot_token, settings.slack_api_url, settings.slack_approvers
         )
