@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install dev run worker test lint typecheck bench smoke browser clean
+.PHONY: install dev run worker test lint typecheck bench smoke slack-demo browser clean
 
 install: $(STAMP)
 
@@ -30,6 +30,7 @@ typecheck: install
 	$(BIN)/mypy --strict deploy/bench/*.py
 	cd deploy && MYPYPATH=bench:.. ../$(BIN)/mypy --strict smoke.py
 	cd deploy && MYPYPATH=bench ../$(BIN)/mypy --strict ws_load.py
+	cd deploy && MYPYPATH=.. ../$(BIN)/mypy --strict slack_demo.py
 
 # Debian's chromium for tests/browser: installed when missing and this is root with apt;
 # otherwise those tests are skipped, saying why.
@@ -45,6 +46,9 @@ browser:
 
 test: install lint typecheck browser
 	$(BIN)/python -m pytest -q
+
+slack-demo: install
+	$(BIN)/python deploy/slack_demo.py
 
 bench: install
 	$(BIN)/python deploy/bench/bench_http.py

@@ -55,6 +55,11 @@ def _reply(request: ModelRequest) -> ModelReply:
         return ModelReply(text=f"You are looking at the {page['selection']} ({page.get('route', '?')}).")
     if text.lower().startswith("order"):
         item = page.get("selection", "nothing")
+        named = re.sub(
+            r"^(a|an|the)\s+", "", text[5:].strip(" .!?"), flags=re.I
+        )  # "order a desk lamp": Slack has no page
+        if item == "nothing" and named.lower() not in ("", "it", "this", "that"):
+            item = named
         if item == "nothing":
             return ModelReply(text="Select a lamp first, then ask me to order it.")
         return ModelReply(tool_calls=[ToolCall("place_order", {"item": item})])
