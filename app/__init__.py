@@ -69,6 +69,11 @@ def webhook_channels(settings: Settings) -> list[WebhookChannel]:
             settings.slack_signing_secret, settings.slack_bot_token, settings.slack_api_url, settings.slack_approvers
         )
         channels.append(SlackChannel(config))
+    if settings.linear_webhook_secret and settings.linear_api_key:
+        from channels.webhooks.linear import LinearChannel, LinearConfig
+
+        linear = LinearConfig(settings.linear_webhook_secret, settings.linear_api_key, settings.linear_api_url)
+        channels.append(LinearChannel(linear))
     return channels
 
 

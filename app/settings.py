@@ -51,11 +51,11 @@ def _flag(env: dict[str, str], name: str, *, default: bool) -> bool:
     return raw in ("1", "true")
 
 
-def _url(env: dict[str, str], name: str, default: str) -> str:
+def _url(env: dict[str, str], name: str, default: str, *, slash: bool = True) -> str:
     raw = env.get(name) or default
     if not raw.startswith(("https://", "http://")):
         raise SettingsError(f"{name} must be an http(s) URL, not {raw!r}")
-    return raw if raw.endswith("/") else raw + "/"
+    return raw + "/" if slash and not raw.endswith("/") else raw
 
 
 def is_loopback(host: str) -> bool:
@@ -96,6 +96,9 @@ class Settings:
     slack_bot_token: str | None = field(default=None, repr=False)
     slack_api_url: str = "https://slack.com/api/"
     slack_approvers: frozenset[str] = frozenset()
+    linear_webhook_secret: str | None = field(default=None, repr=False)
+    linear_api_key: str | None = field(default=None, repr=False)
+    linear_api_url: str = "https://api.linear.app/graphql"
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> Settings:
@@ -128,8 +131,13 @@ class Settings:
             slack_signing_secret=env.get("SLACK_SIGNING_SECRET") or None,
             slack_bot_token=env.get("SLACK_BOT_TOKEN") or None,
             slack_api_url=_url(env, "KEEL_SLACK_API_URL", "https://slack.com/api/"),
+            linear_webhook_secret=env.get("LINEAR_WEBHOOK_SECRET") or None,
+            linear_api_key=env.get("LINEAR_API_KEY") or None,
+            linear_api_url=_url(env, "KEEL_LINEAR_API_URL", "https://api.linear.app/graphql", slash=False),
             slack_approvers=frozenset(u.strip() for u in env.get("KEEL_SLACK_APPROVERS", "").split(",") if u.strip()),
         )
+        if bool(settings.linear_webhook_secret) != bool(settings.linear_api_key):
+            raise SettingsError("the Linear channel needs both LINEAR_WEBHOOK_SECRET and LINEAR_API_KEY")
         if bool(settings.slack_signing_secret) != bool(settings.slack_bot_token):
             raise SettingsError("the Slack channel needs both SLACK_SIGNING_SECRET and SLACK_BOT_TOKEN")
         if settings.model is not None:

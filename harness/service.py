@@ -312,6 +312,12 @@ class Harness:
             created_at=float(meta["created_at"]),
         )
 
+    async def pending(self, sid: str, owner: str) -> list[str]:
+        """The ids of the approval requests the session waits for, in the order they were made."""
+        check_session_id(sid)
+        meta = await self.store.meta(sid, owner)
+        return [r.request_id for r in await self.store.open_requests(sid, meta)]
+
     async def history(self, sid: str, owner: str, offset: int = 0, limit: int | None = None) -> list[Item]:
         """The session's active history (after its last clear or compaction), or a page of it."""
         check_session_id(sid)

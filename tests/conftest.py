@@ -183,3 +183,13 @@ def slack() -> Iterator[Any]:
     fake = FakeSlack().start()
     yield fake
     fake.stop()
+
+
+@pytest.fixture
+def linear() -> Iterator[Any]:
+    """A local server speaking Linear's GraphQL API: a `tests.channels.linear_server.FakeLinear`."""
+    from tests.channels.linear_server import FakeLinear  # (it imports this module)
+
+    fake = FakeLinear().start()
+    yield fake
+    fake.stop()

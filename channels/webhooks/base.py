@@ -16,6 +16,8 @@ provider call happens before the ack."""
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -50,14 +52,16 @@ class Submit:
 
 @dataclass(frozen=True)
 class Answer:
-    """A person's decision on an approval request."""
+    """A person's decision on an approval request (`request_id` None: the first one the
+    session waits for; if it waits for none, `otherwise` is sent instead, if given)."""
 
     session_id: str
     owner: str
-    request_id: str
+    request_id: str | None
     decision: str
     by: str
     origin: Mapping[str, Any] | None = field(default=None, compare=False)  # the provider's payload, for notes
+    otherwise: Submit | None = None
 
 
 @dataclass(frozen=True)
@@ -94,6 +98,13 @@ class WebhookChannel(Protocol):
     async def start(self) -> None: ...
 
     async def stop(self) -> None: ...
+
+
+def conversation_session(channel: str, *parts: str) -> str:
+    """The keel session of a channel's conversation, derived from the provider's ids: the same
+    in every process, every time, so a message needs no look-up to find (or make) its session."""
+    digest = hashlib.sha256("\0".join((channel, *parts)).encode()).digest()
+    return "ses_" + base64.b32encode(digest[:16]).decode().lower()[:26]
 
 
 def unauthorized() -> Response:
@@ -143,8 +154,16 @@ async def perform(harness: Harness, destination: str, call: Submit | Answer | Ca
             deliver_to=destination,
         )
     elif isinstance(call, Answer):
+        request_id = call.request_id
+        if request_id is None:
+            waiting = await harness.pending(call.session_id, call.owner)
+            if not waiting:
+                if call.otherwise is not None:
+                    await perform(harness, destination, call.otherwise)
+                return
+            request_id = waiting[0]
         await harness.respond(
-            call.session_id, call.owner, call.request_id, call.decision, by=call.by, deliver_to=destination
+            call.session_id, call.owner, request_id, call.decision, by=call.by, deliver_to=destination
         )
     else:
         await harness.cancel(call.session_id, call.owner, call.turn_id, deliver_to=destination)

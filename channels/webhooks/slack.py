@@ -20,8 +20,6 @@ Outbound: `slack_out.SlackDestination`, driven by the delivery relay."""
 
 from __future__ import annotations
 
-import base64
-import hashlib
 import json
 import logging
 import re
@@ -36,7 +34,7 @@ from slack_sdk.web.async_client import AsyncWebClient
 from starlette.datastructures import Headers
 from starlette.responses import JSONResponse, Response
 
-from channels.webhooks.base import Answer, Call, Later, Submit
+from channels.webhooks.base import Answer, Call, Later, Submit, conversation_session
 from channels.webhooks.slack_out import SlackDestination
 from harness.errors import Conflict, KeelError
 from harness.relay import Destination
@@ -59,9 +57,8 @@ class SlackConfig:
 
 
 def session_for(team: str, channel: str, thread_ts: str) -> str:
-    """The keel session of a Slack conversation (the same in every process, every time)."""
-    digest = hashlib.sha256(f"slack\0{team}\0{channel}\0{thread_ts}".encode()).digest()
-    return "ses_" + base64.b32encode(digest[:16]).decode().lower()[:26]
+    """The keel session of a Slack conversation."""
+    return conversation_session("slack", team, channel, thread_ts)
 
 
 class SlackChannel:

@@ -1,0 +1,146 @@
+"""The Linear channel against a local server that speaks Linear's GraphQL API, with webhooks
+signed as Linear signs them."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+from redis.asyncio import Redis
+
+from channels.webhooks.linear import session_for
+from harness import Agent
+from harness.models import ModelReply, ModelRequest, ScriptedModel
+from tests.channels.linear_server import API_KEY, SECRET, FakeLinear, created, prompted, signed
+from tests.channels.slack_support import echo_agent
+
+pytestmark = pytest.mark.asyncio
+
+
+@pytest.fixture
+async def keel(serve: Any, linear: FakeLinear) -> AsyncIterator[Any]:
+    clients: list[httpx.AsyncClient] = []
+
+    async def start(agent: Agent, **settings: Any) -> httpx.AsyncClient:
+        live = await serve(
+            agent,
+            linear_webhook_secret=SECRET,
+            linear_api_key=API_KEY,
+            linear_api_url=linear.url,
+            lease_ms=1000,
+            **settings,
+        )
+        clients.append(live.client())
+        return clients[-1]
+
+    yield start
+    for c in clients:
+        await c.aclose()
+
+
+async def hook(c: httpx.AsyncClient, body: bytes, **kw: Any) -> httpx.Response:
+    return await c.post("/v1/linear/webhook", content=body, headers=signed(body, **kw))
+
+
+async def test_created_gets_a_thought_then_a_response(keel: Any, linear: FakeLinear, redis: Redis) -> None:
+    seen: list[ModelRequest] = []
+
+    def script(r: ModelRequest) -> ModelReply:
+        seen.append(r)
+        return ModelReply(text=f"re:{r.messages[-1].text}")
+
+    c = await keel(Agent(instructions="t", model=ScriptedModel(script)))
+    r = await hook(c, created("as-1", context="Issue ENG-1: the build is red"))
+    assert r.status_code == 200
+    await linear.until(lambda s: "response" in s.kinds("as-1"))
+    thought, response = linear.of("as-1")
+    assert thought.content == {"type": "thought", "body": "Working on it…"} and thought.ephemeral
+    assert response.content == {"type": "response", "body": "re:@keel please help"}
+    # the prompt context is keyed page context: in the model's request, never in history
+    assert any("the build is red" in m.text for m in seen[0].messages)
+    await hook(c, prompted("as-1", "act-2", "and now?"))
+    await linear.until(lambda s: s.kinds("as-1").count("response") == 2)
+    sid = session_for("as-1")
+    history = await redis.lrange(f"keel:{{{sid}}}:history", 0, -1)
+    assert history and not any(b"the build is red" in item for item in history)
+    assert any("the build is red" in m.text for m in seen[1].messages)  # still seen, the newest
+
+
+async def test_redeliveries_and_replays_are_one_message(keel: Any, linear: FakeLinear) -> None:
+    c = await keel(echo_agent())
+    body = created("as-2")
+    for _ in range(3):  # Linear's retries come with a new Linear-Delivery, the same body
+        assert (await hook(c, body)).status_code == 200
+    again = prompted("as-2", "act-9", "more")
+    assert (await hook(c, again)).status_code == 200
+    assert (await hook(c, again, delivery="replayed")).status_code == 200
+    await hook(c, prompted("as-2", "act-10", "last"))
+    await linear.until(lambda s: s.kinds("as-2").count("response") >= 3)
+    responses = [a.content["body"] for a in linear.of("as-2") if a.content["type"] == "response"]
+    assert responses == ["re:@keel please help", "re:more", "re:last"]
+
+
+async def test_bad_signatures_and_stale_timestamps_are_401_and_write_nothing(
+    keel: Any, linear: FakeLinear, redis: Redis
+) -> None:
+    c = await keel(echo_agent())
+    before = await redis.dbsize()
+    body = created("as-3")
+    cases = [
+        await c.post("/v1/linear/webhook", content=body, headers=signed(body, secret="wrong")),
+        await c.post("/v1/linear/webhook", content=body.replace(b"ENG-1", b"ENG-2"), headers=signed(body)),
+        await c.post("/v1/linear/webhook", content=body, headers={"Content-Type": "application/json"}),
+        await hook(c, created("as-3", at_ms=(time.time() - 61) * 1000)),  # signed, but stale
+    ]
+    for r in cases:
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_signature"
+    assert await redis.dbsize() == before
+    assert linear.requests == 0
+
+
+async def test_stop_cancels_the_turn_and_ends_with_a_response(keel: Any, linear: FakeLinear) -> None:
+    gate = asyncio.Event()
+    c = await keel(echo_agent(gate=gate))
+    await hook(c, created("as-4"))
+    await linear.until(lambda s: "thought" in s.kinds("as-4"))
+    assert (await hook(c, prompted("as-4", "act-stop", "Stop", signal="stop"))).status_code == 200
+    await linear.until(lambda s: "response" in s.kinds("as-4"))
+    assert linear.of("as-4")[-1].content == {"type": "response", "body": "Stopped."}
+    gate.set()
+
+
+async def test_an_elicitation_answered_runs_the_tool_once(keel: Any, linear: FakeLinear) -> None:
+    ran: list[str] = []
+    c = await keel(echo_agent(ran))
+    await hook(c, created("as-5", comment="wipe disk"))
+    await linear.until(lambda s: "elicitation" in s.kinds("as-5"))
+    ask = next(a for a in linear.of("as-5") if a.content["type"] == "elicitation")
+    assert "wipe" in ask.content["body"] and ask.signal == "select"
+    assert ask.signal_metadata == {"options": [{"value": "Approve"}, {"value": "Deny"}]}
+    assert ran == []
+    await hook(c, prompted("as-5", "act-yes", "Approve"))
+    await hook(c, prompted("as-5", "act-yes", "Approve"))  # redelivered: one answer
+    await linear.until(lambda s: "response" in s.kinds("as-5"))
+    assert ran == ["disk"]
+    kinds = linear.kinds("as-5")
+    assert kinds.count("action") == 2  # the tool started (ephemeral), then its result
+    result = [a for a in linear.of("as-5") if a.content["type"] == "action"][-1]
+    assert result.content["result"] == "wiped disk"
+    assert linear.of("as-5")[-1].content == {"type": "response", "body": "done: wiped disk"}
+
+
+async def test_a_deny_in_words_answers_and_a_later_approve_is_a_message(keel: Any, linear: FakeLinear) -> None:
+    ran: list[str] = []
+    c = await keel(echo_agent(ran))
+    await hook(c, created("as-6", comment="wipe tmp"))
+    await linear.until(lambda s: "elicitation" in s.kinds("as-6"))
+    await hook(c, prompted("as-6", "act-no", "deny, not today"))
+    await linear.until(lambda s: "response" in s.kinds("as-6"))
+    assert ran == []
+    await hook(c, prompted("as-6", "act-ok", "ok"))  # nothing waits: an ordinary message
+    await linear.until(lambda s: s.kinds("as-6").count("response") == 2)
+    assert linear.of("as-6")[-1].content["body"] == "re:ok"
