@@ -99,6 +99,9 @@ class Settings:
     linear_webhook_secret: str | None = field(default=None, repr=False)
     linear_api_key: str | None = field(default=None, repr=False)
     linear_api_url: str = "https://api.linear.app/graphql"
+    webhook_allow_private: bool = False
+    webhook_retry_hours: float = 24.0
+    webhook_timeout: float = 15.0
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> Settings:
@@ -134,6 +137,9 @@ class Settings:
             linear_webhook_secret=env.get("LINEAR_WEBHOOK_SECRET") or None,
             linear_api_key=env.get("LINEAR_API_KEY") or None,
             linear_api_url=_url(env, "KEEL_LINEAR_API_URL", "https://api.linear.app/graphql", slash=False),
+            webhook_allow_private=_flag(env, "KEEL_WEBHOOK_ALLOW_PRIVATE", default=False),
+            webhook_retry_hours=_float(env, "KEEL_WEBHOOK_RETRY_HOURS", 24.0),
+            webhook_timeout=_float(env, "KEEL_WEBHOOK_TIMEOUT_S", 15.0),
             slack_approvers=frozenset(u.strip() for u in env.get("KEEL_SLACK_APPROVERS", "").split(",") if u.strip()),
         )
         if bool(settings.linear_webhook_secret) != bool(settings.linear_api_key):

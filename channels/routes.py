@@ -11,6 +11,7 @@ from starlette.routing import BaseRoute, Route, WebSocketRoute
 from channels import http
 from channels.sse import stream_events
 from channels.static import demo_routes, widget_routes
+from channels.webhooks import subscriptions
 from channels.webhooks.base import WebhookChannel, endpoint
 from channels.websocket import session_socket
 
@@ -37,6 +38,12 @@ def routes(*, demo_folder: Path | None = None, webhooks: Sequence[WebhookChannel
         Route("/v1/sessions/{sid}/clear", http.clear, methods=["POST"]),
         Route("/v1/sessions/{sid}/events", stream_events, methods=["GET"]),
         Route("/v1/sessions/{sid}/tokens", http.mint_token, methods=["POST"]),
+        Route("/v1/webhooks", subscriptions.create, methods=["POST"]),
+        Route("/v1/webhooks", subscriptions.listing, methods=["GET"]),
+        Route("/v1/webhooks/{wid}", subscriptions.show, methods=["GET"]),
+        Route("/v1/webhooks/{wid}", subscriptions.delete, methods=["DELETE"]),
+        Route("/v1/webhooks/{wid}/failures", subscriptions.failures, methods=["GET"]),
+        Route("/v1/webhooks/{wid}/failures/retry", subscriptions.retry, methods=["POST"]),
         WebSocketRoute("/v1/sessions/{sid}/ws", session_socket),
         *widget_routes(),
         *(demo_routes(demo_folder) if demo_folder is not None else []),

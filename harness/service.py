@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -16,7 +17,20 @@ from harness.events import LiveEvent, StoredEvent, decode_data
 from harness.ids import just_before, new_id, stream_key
 from harness.relay import Destination, Relay
 from harness.runner import Runner
-from harness.store import EventHub, JobQueue, Outbox, Redis, Responded, Store, Submitted, Watch, connect
+from harness.store import (
+    DeadLetter,
+    Deliveries,
+    EventHub,
+    JobQueue,
+    Outbox,
+    Redis,
+    Responded,
+    Store,
+    Submitted,
+    Subscriptions,
+    Watch,
+    connect,
+)
 from harness.types import (
     Answer,
     EntryKind,
@@ -39,6 +53,7 @@ TERMINAL = {
     "input.requested": "waiting",
 }
 MAX_REASON = 2_000
+HOOKS_TTL_S = 1.0
 
 
 def check_session_id(sid: str) -> str:
@@ -77,6 +92,9 @@ class Harness:
         self._owns_redis = False
         self.lease_ms = lease_ms
         self.relay: Relay | None = None
+        self.hooks = Subscriptions(redis)
+        self.deliveries = Deliveries(redis)
+        self._hook_cache: dict[str, tuple[float, list[str]]] = {}
         if run_turns:
             self.runner = Runner(
                 self.store,
@@ -138,7 +156,8 @@ class Harness:
 
     async def create_session(self, owner: str, metadata: dict[str, Any] | None = None) -> str:
         sid = new_id("ses")
-        self.hub.publish(sid, [await self.store.create(sid, owner, metadata or {})])
+        hooks = await self._hooks(owner)
+        self.hub.publish(sid, [await self.store.create(sid, owner, metadata or {}, deliver_to=hooks)])
         return sid
 
     async def submit(
@@ -168,7 +187,11 @@ class Harness:
         message = InboxMessage(
             message_id=message_id, turn_id=new_id("turn"), text=text, context=turn_only, sticky=sticky, author=author
         )
-        how: dict[str, Any] = {"create": create, "deliver_to": deliver_to}
+        how: dict[str, Any] = {
+            "create": create,
+            "deliver_to": [deliver_to] if deliver_to else await self._hooks(owner),
+            "look_first": deliver_to is None,
+        }
         # A process that runs turns, and runs none of this session's now, lets SUBMIT begin the
         # turn too (one round trip less); the session is held meanwhile, so that its job coming
         # back off the stream cannot start a second drain.
@@ -229,7 +252,8 @@ class Harness:
         if not MESSAGE_ID.match(request_id):
             raise NotFound(f"no approval request {request_id[:64]} in session {sid}", code="request_not_found")
         answer = Answer(decision, reason, by)  # type: ignore[arg-type]
-        res = await self.store.respond(sid, owner, request_id, answer, deliver_to=deliver_to)
+        to = [deliver_to] if deliver_to else await self._hooks(owner)
+        res = await self.store.respond(sid, owner, request_id, answer, deliver_to=to, look_first=deliver_to is None)
         if res.recorded:
             self.hub.publish(sid, [res.event] if res.event is not None else [], settled=False)
             failpoints.reached("response.after_accept")
@@ -250,7 +274,10 @@ class Harness:
         repeated cancel cannot end the turn after it). Returns the turn id. A webhook channel
         has the relay told (`deliver_to`), in the same round trip."""
         check_session_id(sid)
-        cancelled, job_id = await self.store.cancel(sid, owner, turn_id or "", deliver_to=deliver_to)
+        to = [deliver_to] if deliver_to else await self._hooks(owner)
+        cancelled, job_id = await self.store.cancel(
+            sid, owner, turn_id or "", deliver_to=to, look_first=deliver_to is None
+        )
         if cancelled is None:
             what = f"turn {turn_id} is not in progress" if turn_id else "there is no turn to cancel"
             raise Conflict(what, code="nothing_to_cancel")
@@ -271,10 +298,37 @@ class Harness:
         check_session_id(sid)
         op_id = new_id("turn")
         entry = InboxMessage(message_id=new_id(kind), turn_id=op_id, kind=kind)
-        job_id = await self.store.enqueue(sid, owner, entry)
+        job_id = await self.store.enqueue(sid, owner, entry, deliver_to=await self._hooks(owner))
         if self.runner is not None:
             self.runner.kick(sid, job_id)
         return op_id
+
+    # ---- outbound event webhooks ---------------------------------------------------------
+
+    async def _hooks(self, owner: str) -> list[str]:
+        """The relay destinations of the owner's active webhook subscriptions (an API key's: a
+        webhook channel's sessions, which it names the destination of, have none; read at most
+        once a second per owner and process: a subscription made in another process delivers
+        from a second after it was made at the latest)."""
+        now = time.monotonic()
+        cached = self._hook_cache.get(owner)
+        if cached is not None and cached[0] > now:
+            return cached[1]
+        destinations = [s.destination for s in await self.hooks.of(owner) if not s.disabled]
+        if len(self._hook_cache) >= 10_000:
+            self._hook_cache.clear()
+        self._hook_cache[owner] = (now + HOOKS_TTL_S, destinations)
+        return destinations
+
+    def forget_hooks(self, owner: str) -> None:
+        """The owner's subscriptions changed (in this process): read them again."""
+        self._hook_cache.pop(owner, None)
+
+    async def dead_letters(self, destination: str) -> list[DeadLetter]:
+        return await self.deliveries.dead(destination)
+
+    async def retry_dead_letters(self, destination: str) -> int:
+        return await self.deliveries.retry(destination, await self.deliveries.dead(destination))
 
     async def _wake(self, sid: str, job_id: str | None = None) -> None:
         """Queue a job for the session, unless `job_id` was queued already (and run it here at

@@ -21,6 +21,7 @@ from redis.asyncio import Redis
 
 from harness.store.client import connect, reachable
 from harness.store.deliveries import DeadLetter, Deliveries, DeliveryState, relay_queue
+from harness.store.hooks import Subscription, Subscriptions, new_subscription
 from harness.store.hub import EventHub, Watch
 from harness.store.outbox import Outbox
 from harness.store.queue import JobQueue
@@ -42,9 +43,12 @@ __all__ = [
     "Responded",
     "Store",
     "Submitted",
+    "Subscription",
+    "Subscriptions",
     "UsageRecord",
     "Watch",
     "connect",
+    "new_subscription",
     "reachable",
     "relay_queue",
 ]

@@ -76,10 +76,18 @@ class Store:
     # ---- session lifecycle -------------------------------------------------------------
 
     @translated
-    async def create(self, sid: str, owner: str, metadata: dict[str, Any]) -> StoredEvent:
+    async def create(
+        self, sid: str, owner: str, metadata: dict[str, Any], *, deliver_to: Sequence[str] = ()
+    ) -> StoredEvent:
         body = event_body(None, {"metadata": metadata})
         args = p.CreateArgs(owner, repr(time.time()), _enc.encode(metadata).decode(), self.retention, body.decode())
-        res = await self._run(p.CREATE, sid, args)
+        if deliver_to:
+            keys = p.CREATE.keys(SessionKeys(sid))
+            also = [relay_job(sid, d) for d in deliver_to]
+            raw, *_ = await self.wire.script_with(p.CREATE.sha, p.CREATE.source, keys, p.CREATE.args(args), also)
+            res = p.CREATE.reply(raw)
+        else:
+            res = await self._run(p.CREATE, sid, args)
         if isinstance(res, p.Exists):
             raise Conflict(f"session {sid} exists", code="session_exists")
         self._remember(sid, owner)
@@ -106,16 +114,17 @@ class Store:
         *,
         begin_lease_ms: int | None = None,
         create: dict[str, Any] | None = None,
-        deliver_to: str | None = None,
+        deliver_to: Sequence[str] = (),
+        look_first: bool = True,
     ) -> Submitted:
         """Record a message with its message.received event and, in the same round trip, its
         session's job; a repeated message_id returns the first one's ids (and queues the job
         again: had the first attempt died before its job, the retry repairs it). With
         `begin_lease_ms`, a message that is alone in the inbox (lease free) has its turn begun
         in the same script: the Begun comes back too. With `create` (metadata), a session that
-        does not exist is created by the same script; with `deliver_to`, a relay job for that
-        destination goes in the same round trip. A webhook channel's submit (either of those)
-        is one round trip whatever this process knows of the session."""
+        does not exist is created by the same script; with `deliver_to`, a relay job for each
+        destination goes in the same round trip. Without `look_first` (a webhook channel's
+        submit) it is one round trip whatever this process knows of the session."""
         body = event_body(message.turn_id, {"message_id": message.message_id, "text": message.text})
         begin = None
         have_start, have = self._cached(sid)
@@ -130,8 +139,9 @@ class Store:
         args = p.SubmitArgs(
             owner, message.message_id, message.turn_id, entry, self.retention, body.decode(), begin, new_session
         )
-        also = [relay_job(sid, deliver_to)] if deliver_to else []
-        res, job_id = await self._with_job(p.SUBMIT, sid, owner, args, also=also, look_first=not also and not create)
+        also = [relay_job(sid, d) for d in deliver_to]
+        look = look_first and create is None
+        res, job_id = await self._with_job(p.SUBMIT, sid, owner, args, also=also, look_first=look)
         if isinstance(res, p.Duplicate):
             return Submitted(True, res.turn_id, res.received_id, None, None, job_id)
         assert isinstance(res, p.New)
@@ -142,10 +152,11 @@ class Store:
         return Submitted(False, message.turn_id, event.id, event, began_now, job_id, created)
 
     @translated
-    async def enqueue(self, sid: str, owner: str, entry: InboxMessage) -> str:
-        """Queue a compact or clear entry behind the session's turns, with its job in the same
-        round trip. Returns the job id."""
-        _, job_id = await self._with_job(p.ENQUEUE, sid, owner, p.EnqueueArgs(owner, _enc.encode(entry).decode()))
+    async def enqueue(self, sid: str, owner: str, entry: InboxMessage, *, deliver_to: Sequence[str] = ()) -> str:
+        """Queue a compact or clear entry behind the session's turns, with its job (and relay
+        jobs for `deliver_to`) in the same round trip. Returns the job id."""
+        args = p.EnqueueArgs(owner, _enc.encode(entry).decode())
+        _, job_id = await self._with_job(p.ENQUEUE, sid, owner, args, also=[relay_job(sid, d) for d in deliver_to])
         return job_id
 
     @translated
@@ -350,9 +361,16 @@ class Store:
 
     @translated
     async def respond(
-        self, sid: str, owner: str, request_id: str, answer: Answer, *, deliver_to: str | None = None
+        self,
+        sid: str,
+        owner: str,
+        request_id: str,
+        answer: Answer,
+        *,
+        deliver_to: Sequence[str] = (),
+        look_first: bool = True,
     ) -> Responded:
-        """Record an answer. With `deliver_to`, the session's job and a relay job for that
+        """Record an answer. With `deliver_to`, the session's job and a relay job for each
         destination go in the same round trip (a webhook channel's click is one round trip)."""
         data: dict[str, str] = {"request_id": request_id, "decision": answer.decision, "reason": answer.reason}
         if answer.by:
@@ -363,9 +381,8 @@ class Store:
         )
         job_id = None
         if deliver_to:
-            res, job_id = await self._with_job(
-                p.RESPOND, sid, owner, args, also=[relay_job(sid, deliver_to)], look_first=False
-            )
+            also = [relay_job(sid, d) for d in deliver_to]
+            res, job_id = await self._with_job(p.RESPOND, sid, owner, args, also=also, look_first=look_first)
         else:
             res = await self._run(p.RESPOND, sid, args)
         if isinstance(res, p.Missing):
@@ -392,7 +409,7 @@ class Store:
 
     @translated
     async def cancel(
-        self, sid: str, owner: str, turn_id: str = "", *, deliver_to: str | None = None
+        self, sid: str, owner: str, turn_id: str = "", *, deliver_to: Sequence[str] = (), look_first: bool = True
     ) -> tuple[str | None, str | None]:
         """Ask the current (or next) turn, or only `turn_id`, to end. Returns the turn id (None
         if there is no such turn) and, with `deliver_to`, the session's job, queued in the same
@@ -400,9 +417,8 @@ class Store:
         args = p.CancelArgs(owner, turn_id)
         job_id = None
         if deliver_to:
-            res, job_id = await self._with_job(
-                p.CANCEL, sid, owner, args, also=[relay_job(sid, deliver_to)], look_first=False
-            )
+            also = [relay_job(sid, d) for d in deliver_to]
+            res, job_id = await self._with_job(p.CANCEL, sid, owner, args, also=also, look_first=look_first)
         else:
             res = await self._run(p.CANCEL, sid, args)
         if isinstance(res, p.Missing):
