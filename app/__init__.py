@@ -19,6 +19,7 @@ from channels.errors import http_error_handler, keel_error_handler
 from channels.routes import routes
 from channels.tokens import TokenSigner
 from channels.webhooks.base import WebhookChannel
+from channels.webhooks.outbound import OutboundWebhooks
 from channels.websocket import WsConfig, WsStats
 from harness import Agent, Harness
 from harness.errors import KeelError
@@ -96,14 +97,21 @@ def create_app(
         app.state.tokens = TokenSigner(secret, settings.token_ttl)
         for channel in hooks:
             await channel.start()
-        if hooks:
-            await harness.start_relay([channel.destination for channel in hooks])
+        outbound = OutboundWebhooks(
+            harness.hooks,
+            allow_private=settings.webhook_allow_private,
+            timeout=settings.webhook_timeout,
+            retry_hours=settings.webhook_retry_hours,
+        )
+        await outbound.start()
+        await harness.start_relay([channel.destination for channel in hooks], resolve=outbound.resolve)
         try:
             yield
         finally:
             await harness.stop()
             for channel in hooks:
                 await channel.stop()
+            await outbound.stop()
 
     app = Starlette(
         routes=routes(demo_folder=Path(__file__).parent / "static" if settings.demo_page else None, webhooks=hooks),

@@ -193,3 +193,13 @@ def linear() -> Iterator[Any]:
     fake = FakeLinear().start()
     yield fake
     fake.stop()
+
+
+@pytest.fixture
+def receiver() -> Iterator[Any]:
+    """A webhook receiver verifying with standardwebhooks: a `tests.channels.webhook_receiver.Receiver`."""
+    from tests.channels.webhook_receiver import Receiver  # (it imports this module)
+
+    fake = Receiver().start()
+    yield fake
+    fake.stop()

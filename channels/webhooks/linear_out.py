@@ -22,7 +22,7 @@ import aiohttp
 import msgspec
 
 from harness.events import StoredEvent, decode_data
-from harness.relay import Outbound, Retry, Undeliverable
+from harness.relay import Outbound, Retry, RetryPolicy, Undeliverable
 
 _json = msgspec.json.Encoder()
 BODY_LIMIT = 10_000  # characters of an activity's body or result
@@ -60,6 +60,7 @@ def _cut(text: str) -> str:
 
 class LinearDestination:
     name = "linear"
+    retry: RetryPolicy | None = None  # the relay's default: 6 attempts
 
     def __init__(self, api_url: str, api_key: str) -> None:
         self.api_url = api_url

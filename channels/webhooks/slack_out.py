@@ -22,7 +22,7 @@ from slack_sdk.errors import SlackApiError
 from slack_sdk.web.async_client import AsyncWebClient
 
 from harness.events import StoredEvent, decode_data
-from harness.relay import Outbound, Retry, Undeliverable
+from harness.relay import Outbound, Retry, RetryPolicy, Undeliverable
 
 POST_TYPE = "keel_post"
 TEXT_LIMIT = 3_900  # characters of one post; a longer reply goes out as several
@@ -80,6 +80,7 @@ def thread_of(where: Mapping[str, Any]) -> tuple[str, str] | None:
 
 class SlackDestination:
     name = "slack"
+    retry: RetryPolicy | None = None  # the relay's default: 6 attempts
 
     def __init__(self, client: AsyncWebClient) -> None:
         self.client = client

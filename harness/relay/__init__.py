@@ -28,16 +28,19 @@ import asyncio
 import contextlib
 import logging
 import random
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from harness.ids import new_id
-from harness.relay.destination import Destination, Outbound, RelayStats, Retry, Undeliverable
+from harness.relay.destination import Destination, Outbound, Parked, RelayStats, Retry, RetryPolicy, Undeliverable
 from harness.relay.session import LeaseLost, Session
-from harness.store import Deliveries, Outbox, Store, relay_queue
+from harness.store import Deliveries, Failing, Outbox, Store, relay_queue
 
 log = logging.getLogger("keel.relay")
 REPORT_EVERY_S = 60.0
+DEFAULT_RETRY = RetryPolicy()
 
 
 @dataclass
@@ -53,9 +56,9 @@ class Relay:
         outbox: Outbox,
         destinations: list[Destination],
         *,
+        resolve: Callable[[str], Awaitable[Destination | None]] | None = None,
         lease_ms: int = 5_000,
-        attempts: int = 6,
-        max_wait: float = 60.0,
+        retry: RetryPolicy = DEFAULT_RETRY,
         working_after: float = 1.0,
         concurrency: int = 256,
     ) -> None:
@@ -64,9 +67,9 @@ class Relay:
         self.deliveries = Deliveries(store.redis, store.wire)
         self.queue = relay_queue(store.redis)
         self.destinations = {d.name: d for d in destinations}
+        self.resolve = resolve  # destinations made on demand (an API key's webhook subscriptions)
         self.lease_ms = lease_ms
-        self.attempts = attempts
-        self.max_wait = max_wait
+        self.retry = retry
         self.working_after = working_after
         self.concurrency = concurrency
         self.stats = RelayStats()
@@ -91,7 +94,7 @@ class Relay:
 
     async def _take_jobs(self) -> None:
         loop = asyncio.get_running_loop()
-        next_reclaim = 0.0
+        next_reclaim = next_promote = 0.0
         next_report, reported = loop.time() + REPORT_EVERY_S, 0
         while True:
             try:
@@ -101,6 +104,9 @@ class Relay:
                         reported = self.stats.delivered + self.stats.dead
                         log.info("relay: %s", self.stats.summary())
                 jobs = []
+                if loop.time() >= next_promote:  # deliveries that waited for their destination
+                    next_promote = loop.time() + 0.5
+                    await self.deliveries.promote()
                 if loop.time() >= next_reclaim:
                     next_reclaim = loop.time() + max(self.lease_ms / 1000, 1.0)
                     jobs = await self.queue.reclaim(min_idle_ms=2 * self.lease_ms)
@@ -120,7 +126,7 @@ class Relay:
     def _dispatch(self, job_id: str, what: str) -> None:
         sid, _, rest = what.partition(" ")
         dest, _, event_id = rest.partition(" ")
-        if dest not in self.destinations:
+        if dest not in self.destinations and self.resolve is None:
             log.warning("relay: a job for %s, which this process does not serve: left for another", dest)
             return
         key = (sid, dest, event_id)
@@ -143,10 +149,17 @@ class Relay:
         try:
             while True:
                 task.kicked = False
-                await self._follow(sid, self.destinations[dest], event_id)
+                destination = self.destinations.get(dest) or (await self.resolve(dest) if self.resolve else None)
+                if destination is None:  # (a subscription deleted meanwhile)
+                    finished = True
+                    break
+                await self._follow(sid, destination, event_id)
                 if not task.kicked:
                     finished = True
                     break
+        except Parked as parked:
+            await self.deliveries.delay(sid, dest, parked.until)
+            finished = True
         except LeaseLost:
             log.info("relay: %s lost its lease on %s; another relay delivers", dest, sid)
         except asyncio.CancelledError:
@@ -182,22 +195,45 @@ class Relay:
                 return
         session = Session(self, sid, dest, token, taken, redeliver=redeliver)
         async with session.held():
-            await session.recover()
-            await session.follow()
-
-    async def attempt(self, call: Any) -> Any:
-        """`call()` until it succeeds, waiting as each Retry says; Undeliverable once the
-        attempts are spent."""
-        for attempt in range(1, self.attempts + 1):
             try:
-                return await call()
+                await session.recover()
+                await session.follow()
+            except Parked:
+                await session.mark(release=True, failing=session.failing)
+                session.released = True
+                raise
+
+    async def attempt(self, call: Any, session: Session) -> Any:
+        """`call()` until it succeeds, waiting as each Retry says (or the destination's policy
+        backs off): Undeliverable once the policy gives up; Parked when the wait is long. The
+        failing state lives on the session (and in Redis when it parks), so a delivery that
+        resumes later, or in another process, goes on with the same backoff and deadline."""
+        policy = session.dest.retry or self.retry
+        while True:
+            failing = session.failing
+            if failing is not None:
+                wait = failing.retry_at - time.time()
+                if wait > policy.park_after:
+                    raise Parked(failing.retry_at)
+                if wait > 0:
+                    await asyncio.sleep(wait)
+            try:
+                result = await call()
             except Retry as exc:
-                if attempt == self.attempts:
-                    raise Undeliverable(f"{exc} (gave up after {attempt} attempts)") from exc
+                now = time.time()
+                fails = (failing.fails if failing else 0) + 1
+                since = failing.since if failing else now
+                if (policy.attempts is not None and fails >= policy.attempts) or (
+                    policy.give_up_after is not None and now - since >= policy.give_up_after
+                ):
+                    session.failing, session.gave_up_after = None, fails
+                    raise Undeliverable(f"{exc} (gave up after {fails} attempts)") from exc
                 self.stats.retries += 1
-                backoff = 2.0 ** (attempt - 1) * random.uniform(0.8, 1.2)
-                await asyncio.sleep(min(max(exc.after if exc.after is not None else backoff, 0.0), self.max_wait))
-        raise AssertionError("unreachable")
+                backoff = min(policy.first * 2.0 ** (fails - 1), policy.cap) * random.uniform(0.8, 1.2)
+                session.failing = Failing(fails, since, now + (exc.after if exc.after is not None else backoff))
+                continue
+            session.failing = None
+            return result
 
 
-__all__ = ["Destination", "Outbound", "Relay", "RelayStats", "Retry", "Undeliverable"]
+__all__ = ["Destination", "Outbound", "Relay", "RelayStats", "Retry", "RetryPolicy", "Undeliverable"]

@@ -34,6 +34,29 @@ class Retry(Exception):
         self.after = after
 
 
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How a destination's failing calls are tried again: a backoff doubling from `first`
+    seconds (with jitter) up to `cap`, or the wait a Retry names; given up after `attempts`
+    tries or `give_up_after` seconds of failing, whichever comes first. A wait longer than
+    `park_after` gives the relay's slot back (the session's delivery resumes from a delayed
+    job), so a receiver that is down holds up only its own deliveries."""
+
+    attempts: int | None = 6
+    give_up_after: float | None = None
+    first: float = 1.0
+    cap: float = 60.0
+    park_after: float = 30.0
+
+
+class Parked(Exception):
+    """The delivery waits `until` (epoch seconds) for its destination, without a slot."""
+
+    def __init__(self, until: float) -> None:
+        super().__init__(f"until {until}")
+        self.until = until
+
+
 class Undeliverable(Exception):
     """The destination refused the call; trying again would not help."""
 
@@ -43,6 +66,7 @@ class Destination(Protocol):
     there where its conversation lives)."""
 
     name: str
+    retry: RetryPolicy | None  # None: the relay's default
 
     def render(self, event: StoredEvent, where: Mapping[str, Any], refs: Mapping[str, str]) -> list[Outbound]:
         """The calls that tell the destination about a committed event (often none)."""

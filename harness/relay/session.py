@@ -49,6 +49,9 @@ class Session:
         self.open_since = 0.0
         self.released = False
         self.redeliver = redeliver  # an event an operator asked to deliver again (a dead letter)
+        self.failing = state.failing  # the destination's failures of the next call, if any
+        self.failing_stored = state.failing is not None  # (so that a success clears it in Redis)
+        self.gave_up_after = 1  # attempts of the last call given up on
         self.valid_until = time.monotonic() + relay.lease_ms / 1000  # the lease, as far as we know
 
     async def mark(self, **fields: Any) -> bool | None:
@@ -109,7 +112,7 @@ class Session:
         if not self.doubt:
             return
         try:
-            found = await self.relay.attempt(lambda: self.dest.find(self.doubt, self.where, self.last))
+            found = await self.relay.attempt(lambda: self.dest.find(self.doubt, self.where, self.last), self)
         except Undeliverable as exc:
             log.warning(
                 "relay: %s/%s cannot check posts %s (%s); not posting them again",
@@ -179,7 +182,7 @@ class Session:
         posts = [o.ref for o in outs if o.kind == "post" and o.ref not in self.refs]
         if posts:
             try:
-                self.refs.update(await relay.attempt(lambda: dest.find(posts, self.where, "")))
+                self.refs.update(await relay.attempt(lambda: dest.find(posts, self.where, ""), self))
             except Undeliverable as exc:
                 await self._bury(events[0], str(exc))
                 return
@@ -190,7 +193,8 @@ class Session:
         relay = self.relay
         relay.stats.dead += 1
         log.warning("relay: event %s of %s could not reach %s: %s", event.id, self.sid, self.dest.name, error)
-        await relay.deliveries.bury(relay.deliveries.letter(self.sid, event.id, self.dest.name, error, relay.attempts))
+        letter = relay.deliveries.letter(self.sid, event.id, self.dest.name, error, self.gave_up_after)
+        await relay.deliveries.bury(letter)
 
     async def deliver(self, event: StoredEvent, *, move_cursor: bool = True) -> None:
         outs = self.dest.render(event, self.where, self.refs)
@@ -219,14 +223,14 @@ class Session:
                         continue
                     failpoints.reached("relay.before_send")
                     self._check_lease()
-                    handle = await relay.attempt(lambda o=out: dest.send(o, self.where, None))
+                    handle = await relay.attempt(lambda o=out: dest.send(o, self.where, None), self)
                     failpoints.reached("relay.after_send")
                     self.refs[out.ref] = made[out.ref] = self.last = handle
                 else:
                     target = self.refs.get(out.ref)
                     if target:  # ("" : a post made, but its handle unknown)
                         self._check_lease()
-                        await relay.attempt(lambda o=out, h=target: dest.send(o, self.where, h))
+                        await relay.attempt(lambda o=out, h=target: dest.send(o, self.where, h), self)
         except Undeliverable as exc:
             error = str(exc)
         for ref in forget:
@@ -236,7 +240,16 @@ class Session:
         if event is not None and error is not None:
             await self._bury(event, error)
         cursor = event.id if event is not None and move_cursor else None
-        await self.mark(cursor=cursor, doubt=[], last=self.last if made else None, keep=keep, forget=forget)
+        clear = self.failing is None and self.failing_stored
+        await self.mark(
+            cursor=cursor,
+            doubt=[],
+            last=self.last if made else None,
+            keep=keep,
+            forget=forget,
+            failing=None if clear else False,
+        )
+        self.failing_stored = self.failing_stored and not clear
         if cursor is not None:
             self.cursor = self.seen = cursor
         if event is not None and error is None:

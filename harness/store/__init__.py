@@ -20,7 +20,7 @@ translation), `types` (what the commands hand back).
 from redis.asyncio import Redis
 
 from harness.store.client import connect, reachable
-from harness.store.deliveries import DeadLetter, Deliveries, DeliveryState, relay_queue
+from harness.store.deliveries import DeadLetter, Deliveries, DeliveryState, Failing, relay_queue
 from harness.store.hooks import Subscription, Subscriptions, new_subscription
 from harness.store.hub import EventHub, Watch
 from harness.store.outbox import Outbox
@@ -37,6 +37,7 @@ __all__ = [
     "Deliveries",
     "DeliveryState",
     "EventHub",
+    "Failing",
     "JobQueue",
     "Outbox",
     "Redis",

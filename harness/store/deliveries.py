@@ -16,7 +16,7 @@ from redis.asyncio import Redis
 
 from harness.store import protocol as p
 from harness.store.client import translated
-from harness.store.keys import RELAY_GROUP, RELAY_JOBS, DeliveryKeys, dead_letters
+from harness.store.keys import RELAY_GROUP, RELAY_JOBS, RELAY_LATER, DeliveryKeys, RelayKeys, dead_letters
 from harness.store.queue import JobQueue
 from harness.store.wire import Wire
 
@@ -30,6 +30,16 @@ class DeliveryState(msgspec.Struct):
     refs: dict[str, str] = {}  # ref -> handle, kept for later (a message to update)
     metadata: dict[str, Any] = {}  # the session's metadata (where its destination is)
     exists: bool = True  # the session exists
+    failing: Failing | None = None  # the destination refuses the next call for now
+
+
+class Failing(msgspec.Struct):
+    """A destination that keeps failing the session's next call: how often, since when, and
+    when to try again (epoch seconds)."""
+
+    fails: int
+    since: float
+    retry_at: float
 
 
 class DeadLetter(msgspec.Struct, frozen=True):
@@ -79,6 +89,7 @@ class Deliveries:
             refs={k[2:]: v for k, v in raw.items() if k.startswith("r:")},
             metadata=json.loads(res.metadata) if res.metadata else {},
             exists=bool(res.metadata),
+            failing=msgspec.json.decode(raw["failing"], type=Failing) if raw.get("failing") else None,
         )
 
     @translated
@@ -96,6 +107,7 @@ class Deliveries:
         forget: list[str] | None = None,
         check: str | None = None,
         release: bool = False,
+        failing: Failing | bool | None = False,
     ) -> bool | None:
         """Write what changed (and renew the lease, or give it up with `release`). False: the
         lease is lost, nothing was written. With `check` (the newest event seen): None if the
@@ -108,15 +120,35 @@ class Deliveries:
         if last is not None:
             fields.append(("last", last))
         fields.extend(("r:" + ref, handle) for ref, handle in (keep or {}).items())
-        args = p.RelayMarkArgs(
-            token, ttl_ms, fields, ["r:" + ref for ref in forget or []], check=check, release=release
-        )
+        unset = ["r:" + ref for ref in forget or []]
+        if isinstance(failing, Failing):  # (False: unchanged; None: no longer failing)
+            fields.append(("failing", msgspec.json.encode(failing).decode()))
+        elif failing is None:
+            unset.append("failing")
+        args = p.RelayMarkArgs(token, ttl_ms, fields, unset, check=check, release=release)
         res = await self._run(p.RELAY_MARK, DeliveryKeys(sid, destination), args)
         if isinstance(res, p.RelayLost):
             return False
         if check is not None and not res.quiet:
             return None
         return True
+
+    # ---- delayed jobs ------------------------------------------------------------------
+
+    @translated
+    async def delay(self, sid: str, destination: str, at: float) -> None:
+        """A relay job for the session and destination, due at `at` (epoch seconds)."""
+        await self.redis.zadd(RELAY_LATER, {f"{sid} {destination}": int(at * 1000)})
+
+    @translated
+    async def promote(self) -> int:
+        """Move the delayed jobs that are due to the job stream; how many."""
+        assert self.wire is not None
+        script = p.RELAY_PROMOTE
+        raw = await self.wire.script(
+            script.sha, script.source, script.keys(RelayKeys()), script.args(p.PromoteArgs(int(time.time() * 1000)))
+        )
+        return int(script.reply(raw).n)
 
     # ---- dead letters ------------------------------------------------------------------
 

@@ -10,6 +10,17 @@ TOKEN_SECRET = f"{PREFIX}:{{config}}:token-secret"  # string: made once, shared 
 CANCELS = f"{PREFIX}:{{control}}:cancels"  # pub/sub channel: "<session> <turn>" a cancel was asked for
 RELAY_JOBS = f"{PREFIX}:{{relay}}:stream"  # relay jobs: "<session> <destination> [<event id>]"
 RELAY_GROUP = "relays"
+RELAY_LATER = f"{PREFIX}:{{relay}}:later"  # sorted set: "<session> <destination>" by when to try again (ms)
+
+
+class RelayKeys:
+    """The relay's own keys (one slot, `{relay}`), for its scripts."""
+
+    __slots__ = ("jobs", "later")
+
+    def __init__(self) -> None:
+        self.jobs = RELAY_JOBS
+        self.later = RELAY_LATER
 
 
 def dead_letters(destination: str) -> str:

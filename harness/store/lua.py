@@ -399,3 +399,17 @@ if A.release then redis.call('DEL', K.lease) else redis.call('PEXPIRE', K.lease,
 return reply({tag = 'held', quiet = quiet})
 """
 )
+
+# Moves the delayed relay jobs that are due (`A.now`, ms) to the relay's job stream: a delivery
+# that waits long for its destination gives its relay slot back and comes back here.
+RELAY_PROMOTE = (
+    _COMMON
+    + """
+local due = redis.call('ZRANGEBYSCORE', K.later, '-inf', A.now, 'LIMIT', 0, A.limit)
+for _, what in ipairs(due) do
+  redis.call('ZREM', K.later, what)
+  redis.call('XADD', K.jobs, '*', 's', what)
+end
+return reply({n = #due})
+"""
+)

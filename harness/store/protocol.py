@@ -18,7 +18,7 @@ from typing import Any, Generic, Literal, TypeVar
 import msgspec
 
 from harness.store import lua
-from harness.store.keys import DeliveryKeys, SessionKeys
+from harness.store.keys import DeliveryKeys, RelayKeys, SessionKeys
 
 R_co = TypeVar("R_co", covariant=True)
 _pack = msgspec.msgpack.Encoder().encode
@@ -36,7 +36,7 @@ class Script(Generic[R_co]):
         self.key_names = tuple(keys)
         self._decode = msgspec.msgpack.Decoder(reply).decode
 
-    def keys(self, k: SessionKeys | DeliveryKeys) -> list[str]:
+    def keys(self, k: SessionKeys | DeliveryKeys | RelayKeys) -> list[str]:
         return [getattr(k, name) for name in self.key_names]
 
     @staticmethod
@@ -324,6 +324,11 @@ class RelayMarkArgs(msgspec.Struct, frozen=True):
     release: bool = False  # give the lease up (only if quiet, with `check`)
 
 
+class PromoteArgs(msgspec.Struct, frozen=True):
+    now: int  # ms
+    limit: int = 100
+
+
 _SESSION = ("meta", "inbox", "lease", "history", "sticky", "outbox", "decisions")
 _COMMIT = ("meta", "lease", "history", "outbox", "inbox", "pending", "decisions")
 CREATE: Script[Added | Exists] = Script(lua.CREATE, ("meta", "outbox"), Added | Exists)
@@ -343,7 +348,9 @@ RELAY_TAKE: Script[RelayHeld | RelayBusy] = Script(lua.RELAY_TAKE, ("lease", "st
 RELAY_MARK: Script[RelayHeld | RelayLost] = Script(
     lua.RELAY_MARK, ("lease", "state", "meta", "outbox", "inbox"), RelayHeld | RelayLost
 )
+RELAY_PROMOTE: Script[Count] = Script(lua.RELAY_PROMOTE, ("later", "jobs"), Count)
 SCRIPTS: tuple[Script[object], ...] = (
+    RELAY_PROMOTE,
     RELAY_TAKE,
     RELAY_MARK,
     CREATE,
