@@ -30,7 +30,7 @@ from starlette.responses import Response
 from channels.webhooks.base import Answer, Call, Cancel, Later, Submit, conversation_session
 from channels.webhooks.linear_out import LinearDestination
 from harness.errors import KeelError
-from harness.relay import Destination
+from harness.relay import Destination, Outbound
 
 log = logging.getLogger("keel.linear")
 LINEAR_API = "https://api.linear.app/graphql"
@@ -97,8 +97,18 @@ class LinearChannel:
         return []
 
     def rejected(self, call: Call, error: KeelError) -> Later | None:
-        log.info("linear: %s refused: %s", type(call).__name__, error.code)
-        return None
+        log.warning("linear: %s refused: %s", type(call).__name__, error.code)
+        if not isinstance(call, Submit) or call.create is None:
+            return None
+        # a session keel cannot take: Linear hears so (best effort, after the ack) rather than
+        # seeing no activity at all
+        where, body = call.create, f"keel could not take this session: {error.message}"
+        out = Outbound("post", f"refused:{call.message_id}", {"content": {"type": "error", "body": body}})
+
+        async def run() -> None:
+            await self.out.send(out, where, None)
+
+        return Later(run)
 
     def _created(self, payload: dict[str, Any], agent_session: dict[str, Any], sid: str, owner: str) -> Submit:
         comment = (agent_session.get("comment") or {}).get("body")

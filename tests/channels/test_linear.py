@@ -144,3 +144,14 @@ async def test_a_deny_in_words_answers_and_a_later_approve_is_a_message(keel: An
     await hook(c, prompted("as-6", "act-ok", "ok"))  # nothing waits: an ordinary message
     await linear.until(lambda s: s.kinds("as-6").count("response") == 2)
     assert linear.of("as-6")[-1].content["body"] == "re:ok"
+
+
+async def test_a_session_keel_cannot_take_gets_an_error_activity(keel: Any, linear: FakeLinear) -> None:
+    c = await keel(echo_agent())
+    await hook(c, created("as-7"))
+    await linear.until(lambda s: "response" in s.kinds("as-7"))
+    other_org = created("as-7").replace(b'"organizationId": "org-1"', b'"organizationId": "org-2"')
+    assert b"org-2" in other_org
+    assert (await hook(c, other_org)).status_code == 200  # (not this organization's session)
+    await linear.until(lambda s: "error" in s.kinds("as-7"))
+    assert "could not take this session" in linear.of("as-7")[-1].content["body"]
