@@ -155,3 +155,16 @@ async def test_a_session_keel_cannot_take_gets_an_error_activity(keel: Any, line
     assert (await hook(c, other_org)).status_code == 200  # (not this organization's session)
     await linear.until(lambda s: "error" in s.kinds("as-7"))
     assert "could not take this session" in linear.of("as-7")[-1].content["body"]
+
+
+async def test_a_failed_turn_is_an_error_activity(keel: Any, linear: FakeLinear) -> None:
+    from harness.errors import ModelError
+
+    def script(r: ModelRequest) -> ModelReply:
+        raise ModelError("the key was revoked", code="model_auth")
+
+    c = await keel(Agent(instructions="t", model=ScriptedModel(script)))
+    await hook(c, created("as-8"))
+    await linear.until(lambda s: "error" in s.kinds("as-8"))
+    assert linear.kinds("as-8") == ["thought", "error"]
+    assert "the key was revoked" in linear.of("as-8")[-1].content["body"]
