@@ -269,14 +269,17 @@ class Harness:
             await self._wake(sid, res.job_id)
         return res
 
-    async def cancel(self, sid: str, owner: str, turn_id: str | None = None, *, deliver_to: str | None = None) -> str:
+    async def cancel(
+        self, sid: str, owner: str, turn_id: str | None = None, *, deliver_to: str | None = None, once: str = ""
+    ) -> str:
         """End the turn in progress (or the next queued one), or only `turn_id` if given (so a
         repeated cancel cannot end the turn after it). Returns the turn id. A webhook channel
-        has the relay told (`deliver_to`), in the same round trip."""
+        has the relay told (`deliver_to`), in the same round trip, and names its request
+        (`once`: a redelivery of it changes nothing)."""
         check_session_id(sid)
         to = [deliver_to] if deliver_to else await self._hooks(owner)
         cancelled, job_id = await self.store.cancel(
-            sid, owner, turn_id or "", deliver_to=to, look_first=deliver_to is None
+            sid, owner, turn_id or "", deliver_to=to, look_first=deliver_to is None, once=once
         )
         if cancelled is None:
             what = f"turn {turn_id} is not in progress" if turn_id else "there is no turn to cancel"

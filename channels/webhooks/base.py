@@ -69,6 +69,7 @@ class Cancel:
     session_id: str
     owner: str
     turn_id: str | None = None
+    once: str = ""  # the provider's id of this request: a redelivery of it changes nothing
 
 
 @dataclass(frozen=True)
@@ -166,7 +167,7 @@ async def perform(harness: Harness, destination: str, call: Submit | Answer | Ca
             call.session_id, call.owner, request_id, call.decision, by=call.by, deliver_to=destination
         )
     else:
-        await harness.cancel(call.session_id, call.owner, call.turn_id, deliver_to=destination)
+        await harness.cancel(call.session_id, call.owner, call.turn_id, deliver_to=destination, once=call.once)
 
 
 def _after(later: list[Later]) -> BackgroundTask:

@@ -140,7 +140,7 @@ class LinearChannel:
             return []
         user = str(activity.get("userId") or (activity.get("user") or {}).get("id") or "")
         if activity.get("signal") == "stop":
-            return [Cancel(session_id=sid, owner=owner)]
+            return [Cancel(session_id=sid, owner=owner, once=f"linear:{activity_id}")]
         content = activity.get("content") or {}
         text = str(content.get("body") or activity.get("body") or "").strip() or "(no text)"
         message = Submit(session_id=sid, owner=owner, text=text, message_id=f"linear:{activity_id}", author=user)

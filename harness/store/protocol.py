@@ -275,6 +275,7 @@ class Unknown(Reply, tag="unknown"):
 class CancelArgs(msgspec.Struct, frozen=True):
     owner: str
     turn_id: str  # "" for whichever turn is current
+    once: str = ""  # the request's own id: a repeat of it changes nothing
 
 
 class Cancelling(Reply, tag="ok"):
@@ -341,7 +342,7 @@ ATTEMPT: Script[Count] = Script(lua.ATTEMPT, ("meta",), Count)
 RESPOND: Script[Recorded | Answered | Unknown | Missing] = Script(
     lua.RESPOND, ("meta", "pending", "decisions", "outbox"), Recorded | Answered | Unknown | Missing
 )
-CANCEL: Script[Cancelling | Idle | Missing] = Script(lua.CANCEL, ("meta", "inbox"), Cancelling | Idle | Missing)
+CANCEL: Script[Cancelling | Idle | Missing] = Script(lua.CANCEL, ("meta", "inbox", "mids"), Cancelling | Idle | Missing)
 RENEW: Script[Held] = Script(lua.RENEW, ("lease",), Held)
 RELEASE: Script[Held] = Script(lua.RELEASE, ("lease",), Held)
 RELAY_TAKE: Script[RelayHeld | RelayBusy] = Script(lua.RELAY_TAKE, ("lease", "state", "meta"), RelayHeld | RelayBusy)

@@ -409,12 +409,19 @@ class Store:
 
     @translated
     async def cancel(
-        self, sid: str, owner: str, turn_id: str = "", *, deliver_to: Sequence[str] = (), look_first: bool = True
+        self,
+        sid: str,
+        owner: str,
+        turn_id: str = "",
+        *,
+        deliver_to: Sequence[str] = (),
+        look_first: bool = True,
+        once: str = "",
     ) -> tuple[str | None, str | None]:
         """Ask the current (or next) turn, or only `turn_id`, to end. Returns the turn id (None
         if there is no such turn) and, with `deliver_to`, the session's job, queued in the same
         round trip with a relay job for that destination."""
-        args = p.CancelArgs(owner, turn_id)
+        args = p.CancelArgs(owner, turn_id, once)
         job_id = None
         if deliver_to:
             also = [relay_job(sid, d) for d in deliver_to]

@@ -103,14 +103,26 @@ async def test_bad_signatures_and_stale_timestamps_are_401_and_write_nothing(
 
 
 async def test_stop_cancels_the_turn_and_ends_with_a_response(keel: Any, linear: FakeLinear) -> None:
-    gate = asyncio.Event()
-    c = await keel(echo_agent(gate=gate))
-    await hook(c, created("as-4"))
+    gates = {"hello": asyncio.Event(), "go on": asyncio.Event()}
+
+    async def script(r: ModelRequest) -> ModelReply:
+        text = r.messages[-1].text
+        await gates.get(text, gates["hello"]).wait()
+        return ModelReply(text=f"re:{text}")
+
+    c = await keel(Agent(instructions="t", model=ScriptedModel(script)))
+    await hook(c, created("as-4", comment="hello"))
     await linear.until(lambda s: "thought" in s.kinds("as-4"))
     assert (await hook(c, prompted("as-4", "act-stop", "Stop", signal="stop"))).status_code == 200
     await linear.until(lambda s: "response" in s.kinds("as-4"))
     assert linear.of("as-4")[-1].content == {"type": "response", "body": "Stopped."}
-    gate.set()
+    await hook(c, prompted("as-4", "act-next", "go on"))  # a new turn, waiting on its model ...
+    await linear.until(lambda s: s.kinds("as-4").count("thought") == 2)
+    stop_again = prompted("as-4", "act-stop", "Stop", signal="stop")
+    assert (await hook(c, stop_again)).status_code == 200  # ... and the first stop, redelivered
+    gates["go on"].set()
+    await linear.until(lambda s: s.kinds("as-4").count("response") == 2)
+    assert linear.of("as-4")[-1].content == {"type": "response", "body": "re:go on"}  # not stopped
 
 
 async def test_an_elicitation_answered_runs_the_tool_once(keel: Any, linear: FakeLinear) -> None:
