@@ -4,6 +4,7 @@ msgspec values, raises `harness.errors`."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import time
 from collections.abc import AsyncIterator
@@ -43,6 +44,7 @@ from harness.types import (
     TurnResult,
 )
 
+log = logging.getLogger("keel")
 SESSION_ID = re.compile(r"^ses_[0-9a-z]{26}$")
 EVENT_ID = re.compile(r"^\d{1,20}-\d{1,20}$")
 MESSAGE_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
@@ -95,6 +97,8 @@ class Harness:
         self.hooks = Subscriptions(redis)
         self.deliveries = Deliveries(redis)
         self._hook_cache: dict[str, tuple[float, list[str]]] = {}
+        self._hook_version: dict[str, int] = {}  # bumped when this process changes an owner's hooks
+        self._tasks: set[asyncio.Task[None]] = set()
         if run_turns:
             self.runner = Runner(
                 self.store,
@@ -123,6 +127,30 @@ class Harness:
 
     def _published(self, sid: str, events: list[StoredEvent], settled: bool) -> None:
         self.hub.publish(sid, events, settled=settled)
+        if settled:
+            self._deliver_settled(sid)
+
+    def _deliver_settled(self, sid: str) -> None:
+        """A turn here settled: if its owner has webhooks this process may not have queued a
+        relay job for (made while the turn ran), queue them now. A cheap look first: most
+        turns' owners are known here to have none."""
+        owner = self.store.owner_known(sid)
+        if owner is None:
+            return  # (a session this process never wrote for: its writer queued the jobs)
+        cached = self._hook_cache.get(owner)
+        if cached is not None and cached[0] > time.monotonic() and not cached[1]:
+            return
+        task = asyncio.get_running_loop().create_task(self._queue_hooks(sid, owner))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _queue_hooks(self, sid: str, owner: str) -> None:
+        try:
+            hooks = await self._hooks(owner)
+            if hooks:
+                await self.store.add_relay_jobs(sid, hooks)
+        except Exception as exc:  # best effort: the next write to the session queues them too
+            log.warning("webhooks: queueing deliveries for %s failed: %s", sid, exc)
 
     async def start(self) -> None:
         await self.queue.ensure_group()
@@ -139,6 +167,8 @@ class Harness:
         return self.relay
 
     async def stop(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
         if self.relay is not None:
             await self.relay.stop()
         if self.runner is not None:
@@ -317,15 +347,18 @@ class Harness:
         cached = self._hook_cache.get(owner)
         if cached is not None and cached[0] > now:
             return cached[1]
+        version = self._hook_version.get(owner, 0)
         destinations = [s.destination for s in await self.hooks.of(owner) if not s.disabled]
-        if len(self._hook_cache) >= 10_000:
-            self._hook_cache.clear()
-        self._hook_cache[owner] = (now + HOOKS_TTL_S, destinations)
+        if self._hook_version.get(owner, 0) == version:  # (not changed here while it was read)
+            if len(self._hook_cache) >= 10_000:
+                self._hook_cache.clear()
+            self._hook_cache[owner] = (now + HOOKS_TTL_S, destinations)
         return destinations
 
     def forget_hooks(self, owner: str) -> None:
         """The owner's subscriptions changed (in this process): read them again."""
         self._hook_cache.pop(owner, None)
+        self._hook_version[owner] = self._hook_version.get(owner, 0) + 1
 
     async def dead_letters(self, destination: str) -> list[DeadLetter]:
         return await self.deliveries.dead(destination)

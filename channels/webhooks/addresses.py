@@ -22,10 +22,18 @@ class Refused(ValueError):
     """The URL, or an address it resolves to, is not a place keel delivers to."""
 
 
+# IPv6 ranges that carry an IPv4 address a network may route to (NAT64, 6to4, the deprecated
+# IPv4-compatible form): refused outright rather than trusting what they embed
+EMBEDDING = [ipaddress.ip_network(n) for n in ("64:ff9b::/96", "64:ff9b:1::/48", "2002::/16", "::/96")]
+
+
 def public(address: str) -> bool:
     ip = ipaddress.ip_address(address.split("%", 1)[0])
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            ip = ip.ipv4_mapped
+        elif any(ip in net for net in EMBEDDING):
+            return False
     return ip.is_global and not ip.is_multicast
 
 

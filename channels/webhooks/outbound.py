@@ -19,6 +19,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import aiohttp
+import msgspec
 from standardwebhooks import Webhook
 
 from channels.webhooks.addresses import PublicResolver
@@ -36,6 +37,7 @@ class WebhookDestination:
         self.hooks = hooks
         self.retry: RetryPolicy | None = hooks.policy
         self.signer = Webhook(sub.secret)
+        self.since = f"{int(sub.created_at * 1000)}-0"  # events committed from its creation on
 
     def render(self, event: StoredEvent, where: Mapping[str, Any], refs: Mapping[str, str]) -> list[Outbound]:
         if self.sub.disabled or (event.type not in self.sub.events and "*" not in self.sub.events):
@@ -47,8 +49,11 @@ class WebhookDestination:
         return None
 
     async def send(self, out: Outbound, where: Mapping[str, Any], handle: str | None) -> str:
+        fresh = await self.hooks.subscriptions.get(self.sub.id)  # deleted or disabled meanwhile?
+        if fresh is None or fresh.disabled:
+            self.sub = fresh or msgspec.structs.replace(self.sub, disabled="deleted")
         if self.sub.disabled:
-            raise Undeliverable(f"the webhook is disabled: {self.sub.disabled}")
+            raise Undeliverable(f"the webhook is {self.sub.disabled if fresh is None else 'disabled'}")
         msg_id, raw = str(out.body["id"]), str(out.body["raw"])
         now = datetime.now(UTC)
         headers = {
@@ -68,7 +73,9 @@ class WebhookDestination:
         if 200 <= status < 300:
             return msg_id
         if status == 410:
-            await self.hooks.subscriptions.disable(self.sub.id, "the receiver answered 410 Gone")
+            why = "the receiver answered 410 Gone"
+            await self.hooks.subscriptions.disable(self.sub.id, why)
+            self.sub = msgspec.structs.replace(self.sub, disabled=why)  # (every session's delivery stops)
             self.hooks.forget(self.sub.id)
             raise Undeliverable("the receiver answered 410 Gone: the webhook is disabled")
         raise Retry(f"the receiver answered {status}", float(after) if after and after.isdigit() else None)

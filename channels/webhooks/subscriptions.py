@@ -129,6 +129,8 @@ async def failures(request: Request) -> Response:
 
 async def retry(request: Request) -> Response:
     sub = await _mine(request)
+    if sub.disabled:
+        raise ChannelError(409, "webhook_disabled", f"the webhook is disabled ({sub.disabled}): make a new one")
     harness = harness_of(request)
     n = await harness.retry_dead_letters(sub.destination)
     return json_response({"retried": n}, 202)

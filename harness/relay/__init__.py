@@ -41,6 +41,7 @@ from harness.store import Deliveries, Failing, Outbox, Store, relay_queue
 log = logging.getLogger("keel.relay")
 REPORT_EVERY_S = 60.0
 DEFAULT_RETRY = RetryPolicy()
+DEFER_S = 0.5  # a job for a destination at its limit of sessions comes back after this
 
 
 @dataclass
@@ -57,23 +58,28 @@ class Relay:
         destinations: list[Destination],
         *,
         resolve: Callable[[str], Awaitable[Destination | None]] | None = None,
+        resolves: str = "wh:",
         lease_ms: int = 5_000,
         retry: RetryPolicy = DEFAULT_RETRY,
         working_after: float = 1.0,
         concurrency: int = 256,
+        per_destination: int = 32,
     ) -> None:
         self.store = store
         self.outbox = outbox
         self.deliveries = Deliveries(store.redis, store.wire)
         self.queue = relay_queue(store.redis)
         self.destinations = {d.name: d for d in destinations}
-        self.resolve = resolve  # destinations made on demand (an API key's webhook subscriptions)
+        self.resolve = resolve  # destinations made on demand (an API key's webhook subscriptions) ...
+        self.resolves = resolves  # ... whose names start so (any other unknown one is another process's)
         self.lease_ms = lease_ms
         self.retry = retry
         self.working_after = working_after
         self.concurrency = concurrency
         self.stats = RelayStats()
         self._tasks: dict[tuple[str, str, str], _Task] = {}
+        self._busy: dict[str, int] = {}  # destination -> sessions being delivered to it here
+        self.per_destination = per_destination
         self._running: set[asyncio.Task[None]] = set()
         self._loop: asyncio.Task[None] | None = None
         self._slots = asyncio.Semaphore(concurrency)
@@ -110,7 +116,8 @@ class Relay:
                 if loop.time() >= next_reclaim:
                     next_reclaim = loop.time() + max(self.lease_ms / 1000, 1.0)
                     jobs = await self.queue.reclaim(min_idle_ms=2 * self.lease_ms)
-                free = self.concurrency - len(self._tasks)
+                # (the channels' deliveries and the subscribers' have `concurrency` slots each)
+                free = self.concurrency * (2 if self.resolve is not None else 1) - len(self._tasks)
                 if free > 0:
                     jobs += await self.queue.take(count=min(free, 100), block_ms=1000)
                 else:
@@ -126,7 +133,7 @@ class Relay:
     def _dispatch(self, job_id: str, what: str) -> None:
         sid, _, rest = what.partition(" ")
         dest, _, event_id = rest.partition(" ")
-        if dest not in self.destinations and self.resolve is None:
+        if dest not in self.destinations and not (self.resolve is not None and dest.startswith(self.resolves)):
             log.warning("relay: a job for %s, which this process does not serve: left for another", dest)
             return
         key = (sid, dest, event_id)
@@ -135,6 +142,13 @@ class Relay:
             task.jobs.append(job_id)
             task.kicked = True
             return
+        if self._busy.get(dest, 0) >= self._cap(dest):
+            # a destination holds its share of the slots at most (a channel: the slots over the
+            # channels; a subscriber's URL: `per_destination`); its further sessions wait a
+            # moment, so a slow or failing destination holds up only its own deliveries
+            self._defer(job_id, sid, dest, event_id)
+            return
+        self._busy[dest] = self._busy.get(dest, 0) + 1
         self._tasks[key] = _Task([job_id])
         runner = asyncio.create_task(self._serve(key), name=f"relay {sid} {dest}")
         self._running.add(runner)
@@ -157,8 +171,8 @@ class Relay:
                 if not task.kicked:
                     finished = True
                     break
-        except Parked as parked:
-            await self.deliveries.delay(sid, dest, parked.until)
+        except Parked as parked:  # (a redelivery stays one: its event goes with it)
+            await self.deliveries.delay(sid, dest, parked.until, event_id)
             finished = True
         except LeaseLost:
             log.info("relay: %s lost its lease on %s; another relay delivers", dest, sid)
@@ -168,9 +182,30 @@ class Relay:
             log.warning("relay: delivering %s to %s stopped (%s); its job will be taken again", sid, dest, exc)
         finally:
             del self._tasks[key]
+            if dest in self._busy:
+                self._busy[dest] -= 1
+                if self._busy[dest] <= 0:
+                    del self._busy[dest]
         if finished:
             with contextlib.suppress(Exception):
                 await self.queue.done(*task.jobs)
+
+    def _cap(self, dest: str) -> int:
+        if dest in self.destinations:
+            return max(1, self.concurrency // len(self.destinations))
+        return self.per_destination
+
+    def _defer(self, job_id: str, sid: str, dest: str, event_id: str) -> None:
+        async def later() -> None:
+            try:
+                await self.deliveries.delay(sid, dest, time.time() + DEFER_S, event_id)
+                await self.queue.done(job_id)
+            except Exception as exc:  # the job stays pending: reclaimed later
+                log.warning("relay: deferring a job for %s failed (%s)", dest, exc)
+
+        task = asyncio.create_task(later())
+        self._running.add(task)
+        task.add_done_callback(self._running.discard)
 
     # ---- one session ---------------------------------------------------------------------
 
@@ -203,11 +238,13 @@ class Relay:
                 session.released = True
                 raise
 
-    async def attempt(self, call: Any, session: Session) -> Any:
+    async def attempt(self, call: Any, session: Session, *, resets: bool = True) -> Any:
         """`call()` until it succeeds, waiting as each Retry says (or the destination's policy
         backs off): Undeliverable once the policy gives up; Parked when the wait is long. The
         failing state lives on the session (and in Redis when it parks), so a delivery that
-        resumes later, or in another process, goes on with the same backoff and deadline."""
+        resumes later, or in another process, goes on with the same backoff and deadline. A
+        call that does not `resets` (a reconcile) leaves the failing state as it was when it
+        succeeds: only the delivery itself ends a failure."""
         policy = session.dest.retry or self.retry
         while True:
             failing = session.failing
@@ -230,9 +267,11 @@ class Relay:
                     raise Undeliverable(f"{exc} (gave up after {fails} attempts)") from exc
                 self.stats.retries += 1
                 backoff = min(policy.first * 2.0 ** (fails - 1), policy.cap) * random.uniform(0.8, 1.2)
-                session.failing = Failing(fails, since, now + (exc.after if exc.after is not None else backoff))
+                wait = min(exc.after, policy.cap) if exc.after is not None else backoff  # (a huge Retry-After too)
+                session.failing = Failing(fails, since, now + wait)
                 continue
-            session.failing = None
+            if resets:
+                session.failing = None
             return result
 
 

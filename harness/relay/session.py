@@ -40,8 +40,11 @@ class Session:
         self.dest = dest
         self.token = token
         self.where = state.metadata
-        self.cursor = state.cursor  # delivered up to here (written)
-        self.seen = state.cursor  # read up to here (written lazily when nothing was posted)
+        # delivered up to here (written); a destination made later than the session starts
+        # at its own beginning (`since`: an event webhook gets events from its creation on)
+        since: str = getattr(dest, "since", "")
+        self.cursor = since if state.cursor == "0-0" and since else state.cursor
+        self.seen = self.cursor  # read up to here (written lazily when nothing was posted)
         self.doubt = state.doubt
         self.last = state.last
         self.refs = dict(state.refs)
@@ -112,7 +115,9 @@ class Session:
         if not self.doubt:
             return
         try:
-            found = await self.relay.attempt(lambda: self.dest.find(self.doubt, self.where, self.last), self)
+            found = await self.relay.attempt(
+                lambda: self.dest.find(self.doubt, self.where, self.last), self, resets=False
+            )
         except Undeliverable as exc:
             log.warning(
                 "relay: %s/%s cannot check posts %s (%s); not posting them again",
@@ -182,7 +187,7 @@ class Session:
         posts = [o.ref for o in outs if o.kind == "post" and o.ref not in self.refs]
         if posts:
             try:
-                self.refs.update(await relay.attempt(lambda: dest.find(posts, self.where, ""), self))
+                self.refs.update(await relay.attempt(lambda: dest.find(posts, self.where, ""), self, resets=False))
             except Undeliverable as exc:
                 await self._bury(events[0], str(exc))
                 return

@@ -136,9 +136,10 @@ class Deliveries:
     # ---- delayed jobs ------------------------------------------------------------------
 
     @translated
-    async def delay(self, sid: str, destination: str, at: float) -> None:
-        """A relay job for the session and destination, due at `at` (epoch seconds)."""
-        await self.redis.zadd(RELAY_LATER, {f"{sid} {destination}": int(at * 1000)})
+    async def delay(self, sid: str, destination: str, at: float, event_id: str = "") -> None:
+        """A relay job for the session and destination (and the dead letter `event_id`), due
+        at `at` (epoch seconds)."""
+        await self.redis.zadd(RELAY_LATER, {f"{sid} {destination} {event_id}".rstrip(): int(at * 1000)})
 
     @translated
     async def promote(self) -> int:

@@ -389,7 +389,15 @@ if A.check then
   local newest = redis.call('XREVRANGE', K.outbox, '+', '-', 'COUNT', 1)
   local last = newest[1] and newest[1][1] or ''
   local settled = status == 'waiting' or (status ~= 'running' and redis.call('LLEN', K.inbox) == 0)
-  quiet = settled and last == A.check
+  -- caught up: the newest event is the one seen, or before it (a relay that starts later than
+  -- the session, at its destination's beginning); stream ids compare as (ms, seq) numbers
+  local function id_of(eid)
+    local ms, seq = string.match(eid, '^(%d+)-(%d+)$')
+    return tonumber(ms or 0), tonumber(seq or 0)
+  end
+  local lms, lseq = id_of(last)
+  local cms, cseq = id_of(A.check)
+  quiet = settled and (lms < cms or (lms == cms and lseq <= cseq))
   if not quiet and A.release then return reply({tag = 'held', quiet = false}) end
 end
 if #A.set > 0 then

@@ -195,6 +195,18 @@ class Store:
         self._remember(sid, owner)
         return res, job_id.decode()
 
+    def owner_known(self, sid: str) -> str | None:
+        """The session's owner, if this process has seen it (no round trip)."""
+        return self._known.get(sid)
+
+    @translated
+    async def add_relay_jobs(self, sid: str, destinations: Sequence[str]) -> None:
+        """Relay jobs for the session and these destinations, in one round trip."""
+        replies = await self.wire.call([relay_job(sid, d) for d in destinations])
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+
     def _remember(self, sid: str, owner: str) -> None:
         """Sessions are never deleted, so one seen to exist stays known (a bounded memo)."""
         if len(self._known) >= KNOWN_MAX:
