@@ -94,8 +94,8 @@ class OutboundWebhooks:
         self.subscriptions = subscriptions
         self.allow_private = allow_private
         self.timeout = timeout
-        # a wait of more than 5 s gives the relay's slot back (resumed from a delayed job)
-        self.policy = RetryPolicy(attempts=None, give_up_after=retry_hours * 3600, first=1.0, cap=600.0, park_after=5.0)
+        # a wait of more than a second gives the relay's slot back (resumed from a delayed job)
+        self.policy = RetryPolicy(attempts=None, give_up_after=retry_hours * 3600, first=1.0, cap=600.0, park_after=1.0)
         self.http: aiohttp.ClientSession | None = None
         self._made: dict[str, WebhookDestination] = {}
 

@@ -63,7 +63,7 @@ class Relay:
         retry: RetryPolicy = DEFAULT_RETRY,
         working_after: float = 1.0,
         concurrency: int = 256,
-        per_destination: int = 32,
+        per_destination: int = 64,
     ) -> None:
         self.store = store
         self.outbox = outbox
