@@ -99,10 +99,12 @@ async def test_websocket_readers_get_the_same_deltas(serve: Any) -> None:
     check_deltas([f for f in frames if f["type"] == "message.delta"], completed)
 
 
-async def test_a_reader_in_another_process_gets_the_deltas(make_harness: Any, redis: Redis) -> None:
+async def test_a_reader_in_another_process_gets_the_deltas(make_harness: Any, redis: Redis, valkey: Any) -> None:
     gate = asyncio.Event()
     runner = await make_harness(streaming_agent(gate))
-    reader = Harness(redis, streaming_agent(), run_turns=False)  # its own hub and pub/sub
+    # its own hub, pub/sub and Redis client, as in another process (two harnesses on one client
+    # is not a thing keel does; on one redis-py client, this reader missed the deltas 2 runs in 5)
+    reader = Harness.connect(valkey.url, streaming_agent(), run_turns=False)
     await reader.start()
     try:
         sid = await runner.create_session("o")
