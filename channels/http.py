@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import msgspec
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from channels.errors import ChannelError, error_response
@@ -51,11 +51,14 @@ async def read_body(request: Request) -> bytes:
         raise ChannelError(413, "too_large", f"the body is larger than {limit} bytes")
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ChannelError(413, "too_large", f"the body is larger than {limit} bytes")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ChannelError(413, "too_large", f"the body is larger than {limit} bytes")
+            chunks.append(chunk)
+    except ClientDisconnect:  # the client went away mid-body: nothing to do, nothing to log
+        raise ChannelError(400, "incomplete_body", "the client disconnected before the body ended") from None
     return b"".join(chunks)
 
 
@@ -185,7 +188,7 @@ def int_query(request: Request, name: str, default: int, low: int, high: int) ->
     raw = request.query_params.get(name)
     if raw is None:
         return default
-    if not raw.isdigit() or not low <= int(raw) <= high:
+    if not (raw.isascii() and raw.isdigit() and len(raw) <= 12) or not low <= int(raw) <= high:  # (ASCII digits only)
         raise ChannelError(400, "invalid_query", f"?{name}= takes a whole number from {low} to {high}")
     return int(raw)
 

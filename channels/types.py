@@ -6,7 +6,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-Text = Annotated[str, msgspec.Meta(min_length=1)]
+Text = Annotated[str, msgspec.Meta(min_length=1, pattern=r"\S")]  # not empty, not only whitespace
 ContextValue = str | list[str] | dict[str, str | None] | None
 
 

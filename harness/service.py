@@ -46,7 +46,7 @@ from harness.types import (
 
 log = logging.getLogger("keel")
 SESSION_ID = re.compile(r"^ses_[0-9a-z]{26}$")
-EVENT_ID = re.compile(r"^\d{1,20}-\d{1,20}$")
+EVENT_ID = re.compile(r"^[0-9]{1,20}-[0-9]{1,20}$")  # ASCII digits only (\d takes any script's)
 MESSAGE_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 TERMINAL = {
     "turn.completed": "completed",
@@ -307,6 +307,8 @@ class Harness:
         has the relay told (`deliver_to`), in the same round trip, and names its request
         (`once`: a redelivery of it changes nothing)."""
         check_session_id(sid)
+        if turn_id == "":
+            raise InvalidInput("turn_id, when given, names a turn", code="invalid_turn_id")
         to = [deliver_to] if deliver_to else await self._hooks(owner)
         cancelled, job_id = await self.store.cancel(
             sid, owner, turn_id or "", deliver_to=to, look_first=deliver_to is None, once=once

@@ -1,0 +1,99 @@
+"""Holes a hostile client found (issue 16): each gets its 4xx or its documented close code and
+changes nothing."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from redis.asyncio import Redis
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
+
+from tests.channels.slack_support import echo_agent
+
+pytestmark = pytest.mark.asyncio
+NOT_ASCII_DIGITS = ["³", "①", "²", "٣", "１"]
+
+
+async def test_numeric_queries_take_ascii_digits_only(serve: Any) -> None:
+    live = await serve(echo_agent())
+    async with live.client() as c:
+        sid = (await c.post("/v1/sessions")).json()["session_id"]
+        for digit in NOT_ASCII_DIGITS:
+            for query in (f"limit={digit}", f"offset={digit}"):
+                r = await c.get(f"/v1/sessions/{sid}/history?{query}")
+                assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_query", (query, r.text)
+        assert (await c.get(f"/v1/sessions/{sid}/history?limit=" + "9" * 40)).status_code == 400
+
+
+async def test_event_ids_take_ascii_digits_only(serve: Any, redis: Redis) -> None:
+    live = await serve(echo_agent())
+    async with live.client() as c:
+        sid = (await c.post("/v1/sessions")).json()["session_id"]
+        for bad in ("٣-0", "１-0", "0-٣"):
+            r = await c.get(f"/v1/sessions/{sid}/events", params={"after": bad})
+            assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_event_id", (bad, r.text)
+            r = await c.get(f"/v1/sessions/{sid}/events", headers={"Last-Event-ID": bad.encode()})
+            assert r.status_code == 400
+            with pytest.raises(ConnectionClosed) as closed:
+                async with connect(f"{live.ws_base}/v1/sessions/{sid}/ws?after={bad}") as ws:
+                    await asyncio.wait_for(ws.recv(), 5)
+            assert closed.value.rcvd is not None and closed.value.rcvd.code == 4400
+
+
+async def test_an_empty_turn_id_is_invalid_and_cancels_nothing(serve: Any) -> None:
+    gate = asyncio.Event()
+    live = await serve(echo_agent(gate=gate))
+    async with live.client() as c:
+        sid = (await c.post("/v1/sessions")).json()["session_id"]
+        await c.post(f"/v1/sessions/{sid}/messages", json={"text": "hi", "message_id": "m1"})
+        r = await c.post(f"/v1/sessions/{sid}/cancel", json={"turn_id": ""})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_turn_id"
+        async with connect(f"{live.ws_base}/v1/sessions/{sid}/ws") as ws:
+            await ws.send('{"type": "cancel", "turn_id": "", "ref": "r1"}')
+            while True:
+                frame = await asyncio.wait_for(ws.recv(), 5)
+                if '"error"' in frame and '"r1"' in frame:
+                    assert "invalid_turn_id" in frame
+                    break
+        gate.set()
+        done = await c.post(f"/v1/sessions/{sid}/messages?wait=true", json={"text": "hi", "message_id": "m1"})
+        assert done.json()["status"] == "completed"  # not cancelled
+
+
+async def test_whitespace_only_text_is_refused_like_empty_text(serve: Any, redis: Redis) -> None:
+    live = await serve(echo_agent())
+    async with live.client() as c:
+        sid = (await c.post("/v1/sessions")).json()["session_id"]
+        before = await redis.xlen(f"keel:{{{sid}}}:outbox")
+        for text in ("", " ", "\n\t  "):
+            r = await c.post(f"/v1/sessions/{sid}/messages", json={"text": text})
+            assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request", repr(text)
+        assert await redis.xlen(f"keel:{{{sid}}}:outbox") == before
+
+
+async def test_a_client_that_sends_half_a_body_gets_a_400_not_a_traceback() -> None:
+    """The body reader sees the client go mid-body (uvicorn's http.disconnect): a channel error
+    (its 400 goes nowhere, and nothing is logged as an exception), not ClientDisconnect."""
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+
+    from channels.errors import ChannelError
+    from channels.http import read_body
+
+    app = Starlette()
+    app.state.max_body = 1_000
+    messages = [
+        {"type": "http.request", "body": b'{"text": "hal', "more_body": True},
+        {"type": "http.disconnect"},
+    ]
+
+    async def receive() -> dict[str, Any]:
+        return messages.pop(0)
+
+    scope = {"type": "http", "method": "POST", "path": "/", "headers": [(b"content-length", b"100")], "app": app}
+    with pytest.raises(ChannelError) as refused:
+        await read_body(Request(scope, receive))
+    assert refused.value.status == 400 and refused.value.code == "incomplete_body"
