@@ -381,7 +381,9 @@ class Harness:
     async def session(self, sid: str, owner: str) -> SessionInfo:
         check_session_id(sid)
         meta = await self.store.meta(sid, owner)
-        queued = await self.store.queued(sid)
+        # the inbox's head is the turn in progress (running or paused) while `turn` names it:
+        # queued counts the messages behind it
+        queued = max(0, await self.store.queued(sid) - (1 if meta.get("turn") else 0))
         pending = [
             {"request_id": r.request_id, "tool": r.tool, "arguments": r.arguments}
             for r in await self.store.open_requests(sid, meta)

@@ -97,3 +97,15 @@ async def test_a_client_that_sends_half_a_body_gets_a_400_not_a_traceback() -> N
     with pytest.raises(ChannelError) as refused:
         await read_body(Request(scope, receive))
     assert refused.value.status == 400 and refused.value.code == "incomplete_body"
+
+
+async def test_queued_counts_the_messages_behind_a_paused_turn(serve: Any) -> None:
+    live = await serve(echo_agent())
+    async with live.client() as c:
+        sid = (await c.post("/v1/sessions")).json()["session_id"]
+        r = await c.post(f"/v1/sessions/{sid}/messages?wait=true", json={"text": "wipe disk"})
+        assert r.json()["status"] == "waiting"
+        info = (await c.get(f"/v1/sessions/{sid}")).json()
+        assert info["status"] == "waiting" and info["queued"] == 0  # (it said 1)
+        await c.post(f"/v1/sessions/{sid}/messages", json={"text": "and then"})
+        assert (await c.get(f"/v1/sessions/{sid}")).json()["queued"] == 1

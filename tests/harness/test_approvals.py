@@ -117,7 +117,7 @@ async def test_several_gated_calls_are_one_request_event_answered_separately(mak
     assert info.status == "waiting" and info.pending == [b]  # still waiting for the second answer
     assert runs == []
     first = await h.submit(sid, "anon", "queued while waiting")
-    assert (await h.session(sid, "anon")).queued == 2  # the paused turn's message and this one
+    assert (await h.session(sid, "anon")).queued == 1  # this one, behind the paused turn (not its own message)
     await h.respond(sid, "anon", b["request_id"], "approve")
     assert (await h.wait_turn(first, 10)).reply == "re:queued while waiting"
     assert [r[1] for r in runs] == [{"path": "/b"}]
