@@ -40,3 +40,7 @@ async def test_the_bearer_scheme_is_case_insensitive_and_other_schemes_fail(serv
         assert (await c.post("/v1/sessions", headers={"Authorization": "bearer k1"})).status_code == 201
         assert (await c.post("/v1/sessions", headers={"Authorization": "Basic k1"})).status_code == 401
         assert (await c.post("/v1/sessions", headers={"Authorization": "Bearer k1x"})).status_code == 401
+        # documented: spaces around the key are ignored; the key itself is compared whole
+        assert (await c.post("/v1/sessions", headers={"Authorization": "BEARER    k1"})).status_code == 201
+        assert (await c.post("/v1/sessions", headers={"Authorization": "Bearer k 1"})).status_code == 401
+        assert (await c.post("/v1/sessions", headers={"Authorization": "Bearerk1"})).status_code == 401
