@@ -125,6 +125,7 @@ def create_app(
         lifespan=lifespan,
     )
     app.state.max_body = settings.max_body
+    app.state.body_timeout = settings.body_timeout
     app.state.webhook_allow_private = settings.webhook_allow_private
     app.state.wait_timeout = settings.wait_timeout
     app.state.sse_heartbeat = settings.sse_heartbeat

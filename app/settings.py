@@ -77,6 +77,7 @@ class Settings:
     model: str | None = None
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     max_body: int = 1_048_576
+    body_timeout: float = 30.0
     run_turns: bool = True
     runner_concurrency: int = 64
     lease_ms: int = 5_000
@@ -116,6 +117,7 @@ class Settings:
             model=env.get("KEEL_MODEL") or None,
             api_keys=keys,
             max_body=_int(env, "KEEL_MAX_BODY_BYTES", 1_048_576),
+            body_timeout=_float(env, "KEEL_BODY_TIMEOUT_S", 30.0),
             run_turns=_flag(env, "KEEL_RUN_TURNS", default=True),
             runner_concurrency=_int(env, "KEEL_RUNNER_CONCURRENCY", 64),
             lease_ms=_int(env, "KEEL_LEASE_MS", 5_000, low=500),

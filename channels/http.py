@@ -6,6 +6,7 @@ written unless the whole request was valid (I10)."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, Literal
 
 import msgspec
@@ -51,14 +52,18 @@ async def read_body(request: Request) -> bytes:
         raise ChannelError(413, "too_large", f"the body is larger than {limit} bytes")
     chunks: list[bytes] = []
     size = 0
+    timeout: float = getattr(request.app.state, "body_timeout", 30.0)
     try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise ChannelError(413, "too_large", f"the body is larger than {limit} bytes")
-            chunks.append(chunk)
+        async with asyncio.timeout(timeout):  # a body that stalls mid-way holds nothing for long
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise ChannelError(413, "too_large", f"the body is larger than {limit} bytes")
+                chunks.append(chunk)
     except ClientDisconnect:  # the client went away mid-body: nothing to do, nothing to log
         raise ChannelError(400, "incomplete_body", "the client disconnected before the body ended") from None
+    except TimeoutError:
+        raise ChannelError(408, "body_timeout", f"the body did not arrive within {timeout:g} s") from None
     return b"".join(chunks)
 
 

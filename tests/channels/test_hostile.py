@@ -109,3 +109,22 @@ async def test_queued_counts_the_messages_behind_a_paused_turn(serve: Any) -> No
         assert info["status"] == "waiting" and info["queued"] == 0  # (it said 1)
         await c.post(f"/v1/sessions/{sid}/messages", json={"text": "and then"})
         assert (await c.get(f"/v1/sessions/{sid}")).json()["queued"] == 1
+
+
+async def test_a_body_that_stalls_mid_way_gets_408(serve: Any, redis: Redis) -> None:
+    live = await serve(echo_agent(), body_timeout=0.5)
+    async with live.client() as c:
+        sid = (await c.post("/v1/sessions")).json()["session_id"]
+    before = await redis.xlen(f"keel:{{{sid}}}:outbox")
+    reader, writer = await asyncio.open_connection("127.0.0.1", live.port)
+    try:
+        writer.write(
+            f"POST /v1/sessions/{sid}/messages HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            'Content-Length: 100\r\n\r\n{"text": "hal'.encode()
+        )
+        await writer.drain()  # ... and nothing more
+        status = await asyncio.wait_for(reader.readline(), 10)
+        assert status.startswith(b"HTTP/1.1 408"), status
+    finally:
+        writer.close()
+    assert await redis.xlen(f"keel:{{{sid}}}:outbox") == before
