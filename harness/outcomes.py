@@ -39,6 +39,7 @@ class Paused:
 @dataclass(frozen=True)
 class RunTools:
     item: Item  # the committed assistant item whose calls must now run
+    announced: str | None = None  # the call whose tool.started is already written (it runs next)
 
 
 @dataclass(frozen=True)

@@ -79,15 +79,15 @@ class TurnRunner:
             if changed(text, newest_snapshot(self.history)):
                 self.snapshot = snapshot_item(self.turn_id, text or "", "rc")
         pending = self._unfinished_calls()
-        outcome: StepOutcome = RunTools(pending) if pending is not None else await self._model_step()
+        outcome: StepOutcome = self._resumed(pending) if pending is not None else await self._model_step()
         while True:
             match outcome:
                 case Final() | Paused():
                     return outcome
                 case Cancel():
                     return await self.cancel()
-                case RunTools(item=item):
-                    stopped = await self._run_tools(item)
+                case RunTools(item=item, announced=announced):
+                    stopped = await self._run_tools(item, announced)
                     outcome = stopped if stopped is not None else await self._model_step()
 
     def _unfinished_calls(self) -> Item | None:
@@ -97,6 +97,20 @@ class TurnRunner:
             if item.role == "assistant":
                 return item if any(c.id not in done for c in item.tool_calls) else None
         return None
+
+    def _resumed(self, item: Item) -> RunTools:
+        """The calls left to run on resume. The first of them that runs was announced (by the
+        step's commit or the last result's) unless the step paused and none has a result yet."""
+        done = {i.tool_call_id for i in self.turn_items if i.role == "tool"}
+        paused = any(request_id(c.id or "") in self.begun.answers for c in item.tool_calls)
+        if paused and not any(c.id in done for c in item.tool_calls):
+            return RunTools(item)
+        first = next((c for c in item.tool_calls if c.id not in done and self._runs(c)), None)
+        return RunTools(item, first.id if first is not None else None)
+
+    def _runs(self, call: ToolCall) -> bool:
+        """Whether a call runs: ungated, or approved."""
+        return (self.begun.answers.get(request_id(call.id or "")) or _APPROVED).decision == "approve"
 
     def _step(self) -> int:
         return sum(1 for i in self.turn_items if i.role == "assistant")
@@ -236,15 +250,17 @@ class TurnRunner:
             events.append(self._event("input.requested", asked))
             mode = "pause"
         elif calls:
-            events.extend(self._tool_started(calls))
+            events.extend(self._tool_started(calls[:1]))  # each next one with the result before it
             mode = "step"
         else:
             events.append(self._event("turn.completed", {"message_id": self.message.message_id, "reply": reply.text}))
             mode = "final"
         failpoints.reached("step.before_commit")
         committed = await self._commit(
-            items, events, mode=mode, requests=requests, after="step.after_commit", usage=usage
+            items, events, mode=mode, requests=requests, after="step.after_commit", usage=usage, guard=True
         )
+        if committed.dropped:  # a cancel came first: nothing of the step is stored (as if interrupted)
+            return Cancel()
         self.open_requests += [r.request_id for r in requests]
         self.user_committed = True
         self.turn_items.append(item)
@@ -254,38 +270,43 @@ class TurnRunner:
             return Cancel()
         if committed.paused:
             return Paused()
-        return RunTools(item)
+        return RunTools(item, calls[0].id)
 
     # ---- tools -------------------------------------------------------------------------
 
-    async def _run_tools(self, item: Item) -> Final | Paused | Cancel | None:
+    async def _run_tools(self, item: Item, announced: str | None) -> Final | Paused | Cancel | None:
         """Run the calls that have no committed result yet, committing each result as it comes:
         after a crash only the call that was running runs again (with the same call id). Calls
-        of a step that paused for approval run (or are refused) by their answers."""
+        of a step that paused for approval run (or are refused) by their answers. A call's
+        tool.started is written only while no cancel is pending (`announced`: already written,
+        by the step's commit or the result before), so it never announces a call that does not run."""
         done = {i.tool_call_id for i in self.turn_items if i.role == "tool"}
         todo = [c for c in item.tool_calls if c.id not in done]
-        answers = self.begun.answers
-        if any(request_id(c.id or "") in answers for c in todo):
-            if any(answers.get(request_id(c.id or ""), False) is None for c in todo):
-                return Paused()  # cannot happen (BEGIN waits for every answer); never run unanswered
-            will_run = [c for c in todo if (answers.get(request_id(c.id or "")) or _APPROVED).decision == "approve"]
-            committed = await self._commit([], self._tool_started(will_run))
-            if committed.cancel:
-                return Cancel()
-        for call in todo:
-            answer = answers.get(request_id(call.id or ""))
-            if answer is not None and answer.decision != "approve":
+        if any(self.begun.answers.get(request_id(c.id or ""), False) is None for c in todo):
+            return Paused()  # cannot happen (BEGIN waits for every answer); never run unanswered
+        for n, call in enumerate(todo):
+            if not self._runs(call):
+                answer = self.begun.answers[request_id(call.id or "")] or _APPROVED
                 why = f": {answer.reason}" if answer.reason else ""
                 text, is_error = f"error: a person denied this call{why}", True
             else:
+                if call.id != announced and (await self._commit([], self._tool_started([call]), guard=True)).cancel:
+                    return Cancel()
                 context = ToolContext(self.sid, self.turn_id, call.id or "")
                 text, is_error = await run_call(self.agent.tools, call, context)
                 failpoints.reached("tool.after_run")
             result = result_item(self.turn_id, call, text, is_error=is_error)
             data = {"call_id": call.id, "tool": call.name, "result": text, "is_error": is_error}
+            following = next((c for c in todo[n + 1 :] if self._runs(c)), None)
+            announced = following.id if following is not None else None
             # the last result of the step counts the model call that follows it (if one does)
             model_next = call is todo[-1] and self._step() < self.agent.max_steps
-            committed = await self._commit([result], [self._event("tool.completed", data)], attempt=model_next)
+            committed = await self._commit(
+                [result],
+                [self._event("tool.completed", data)],
+                attempt=model_next,
+                announce=self._tool_started([following]) if following is not None else [],
+            )
             self.turn_items.append(result)
             if committed.cancel:
                 return Cancel()
@@ -303,7 +324,9 @@ class TurnRunner:
             "turn.failed", {"message_id": self.message.message_id, "error": {"code": code, "message": message}}
         )
         items = [] if self.user_committed else [*self._head(), user_item(self.message)]
-        committed = await self._commit(items, [event], mode="final")
+        committed = await self._commit(items, [event], mode="final", guard=True)
+        if committed.dropped:  # a cancel was accepted first: it is what ends the turn
+            return await self.cancel()
         return Final(more=committed.more)
 
     async def cancel(self) -> Final:
@@ -337,6 +360,8 @@ class TurnRunner:
         attempt: bool = False,
         rebase: int | None = None,
         usage: UsageRecord | None = None,
+        guard: bool = False,
+        announce: list[tuple[str, bytes]] | None = None,
     ) -> Committed:
         try:
             committed = await self.store.commit(
@@ -351,6 +376,8 @@ class TurnRunner:
                 attempt=attempt,
                 rebase=rebase,
                 usage=usage,
+                guard=guard,
+                announce=announce or (),
             )
         except StaleLease:
             log.warning("session %s turn %s: lease lost, stopping", self.sid, self.turn_id)
@@ -358,7 +385,7 @@ class TurnRunner:
         if after is not None:
             failpoints.reached(after)
         if committed.events:
-            self._publish(self.sid, committed.events, mode != "step")
+            self._publish(self.sid, committed.events, mode != "step" and not committed.dropped)
         return committed
 
     def _event(self, etype: str, data: dict[str, Any]) -> tuple[str, bytes]:

@@ -224,6 +224,9 @@ return reply(out)
 # token report no longer describes the context, so it is forgotten.
 # A model step's tokens (`usage`) are recorded first, before the fence is checked: the
 # attempt happened whoever owns the session now, and a refused commit still leaves them (I5).
+# A turn's events never say something happened that did not (a cancel may be accepted at any
+# time): with `guard`, a commit that finds a cancel pending writes nothing but the usage
+# ('dropped'); `announce` (the next tool call's tool.started) is written only if none is pending.
 COMMIT = (
     _COMMON
     + _EMIT
@@ -234,6 +237,10 @@ if A.usage then ids[1] = record_usage(A.retention, A.usage) end
 local state = redis.call('HMGET', K.meta, 'turn', 'cancel')
 if redis.call('GET', K.lease) ~= A.fence or state[1] ~= A.turn_id then
   return reply({tag = 'stale'})
+end
+local cancel = state[2] == A.turn_id
+if A.guard and cancel then  -- what it would announce will not happen: the usage only
+  return reply({tag = 'dropped', ids = ids, length = 0, cancel = true, first_seq = first_seq, resolved = {}})
 end
 local before = redis.call('LLEN', K.history)
 local length = before
@@ -252,7 +259,9 @@ for j, a in ipairs(A.answers) do
   end
 end
 for _, e in ipairs(A.events) do ids[#ids + 1] = emit(A.retention, e.type, e.body) end
-local cancel = state[2] == A.turn_id
+if not cancel then
+  for _, e in ipairs(A.announce) do ids[#ids + 1] = emit(A.retention, e.type, e.body) end
+end
 if A.attempt and not cancel then redis.call('HINCRBY', K.meta, 'u_calls', 1) end
 local out = {tag = 'ok', ids = ids, length = length, cancel = cancel, first_seq = first_seq, resolved = resolved}
 if A.mode == 'pause' then

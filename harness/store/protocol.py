@@ -203,6 +203,8 @@ class CommitArgs(msgspec.Struct, frozen=True):
     events: list[EventArg]
     rebase: int | None = None  # the items become the whole active history; the turn's start at this offset
     usage: UsageArgs | None = None  # a model call's tokens, recorded first, fenced or not
+    guard: bool = False  # with a cancel pending, write nothing but the usage
+    announce: list[EventArg] = []  # events written only if no cancel is pending
 
 
 class CommitOutcome(Reply):
@@ -229,11 +231,15 @@ class Paused(CommitOutcome, tag="paused"):
     """The session now waits for answers; the lease is released."""
 
 
+class Dropped(CommitOutcome, tag="dropped"):
+    """A guarded commit found a cancel pending: nothing but the usage was written."""
+
+
 class Stale(Reply, tag="stale"):
     """The fence or the turn no longer match: nothing but the usage was written."""
 
 
-CommitReply = Stepped | More | Finished | Paused | Stale
+CommitReply = Stepped | More | Finished | Paused | Dropped | Stale
 
 
 class RecordUsageArgs(msgspec.Struct, frozen=True):

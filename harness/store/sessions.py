@@ -269,6 +269,8 @@ class Store:
         attempt: bool = False,
         rebase: int | None = None,
         usage: UsageRecord | None = None,
+        guard: bool = False,
+        announce: Sequence[tuple[str, bytes]] = (),
     ) -> Committed:
         """Commit a step (mode "step"), the end of a turn ("final"), or a pause for the
         approval `requests` ("pause"). `answers` records answers the harness gives itself
@@ -276,7 +278,9 @@ class Store:
         `rebase`: `items` become the whole active history (compaction, clear), the current
         turn's items beginning at that offset in them. `usage`: the model call's tokens, written
         by the same script first (its usage.recorded comes first in `events`; written even if
-        the commit is refused as stale)."""
+        the commit is refused as stale). `guard`: with a cancel pending for the turn, write
+        nothing else (`dropped`). `announce`: events written only if no cancel is pending (step
+        mode)."""
         recorded: list[tuple[str, bytes]] = []
         usage_args = None
         if usage is not None:
@@ -303,10 +307,16 @@ class Store:
             events=[p.EventArg(etype, body.decode()) for etype, body in events],
             rebase=rebase,
             usage=usage_args,
+            guard=guard,
+            announce=[p.EventArg(etype, body.decode()) for etype, body in announce],
         )
         res = await self._run(p.COMMIT, sid, args)
         if isinstance(res, p.Stale):
             raise StaleLease(f"session {sid}: lease {fence} is no longer held")
+        if isinstance(res, p.Dropped):
+            return Committed(events=written(sid, res.ids, res.first_seq, recorded), cancel=True, dropped=True)
+        if announce and not res.cancel:
+            events = [*events, *announce]
         if rebase is None:
             self._cache.extend(sid, list(items), res.length)
         else:

@@ -57,6 +57,7 @@ class Committed(msgspec.Struct, frozen=True):
     more: bool = False  # final commit only: the inbox has another message, lease kept
     paused: bool = False  # pause commit: the session now waits for answers, lease released
     cancel: bool = False  # a cancel was asked for this turn: finish it as cancelled
+    dropped: bool = False  # a guarded commit found that cancel: it wrote nothing but the usage
 
 
 class Responded(msgspec.Struct, frozen=True):

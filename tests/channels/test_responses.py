@@ -119,3 +119,40 @@ async def test_cancel_over_http(serve: Any) -> None:
         assert r.json()["reply"] == "re:next"
         info = (await c.get(f"/v1/sessions/{sid}")).json()
         assert info["status"] == "idle" and info["pending"] == []
+
+
+async def test_cancel_racing_an_answer_ends_the_turn_as_its_status_code_says(serve: Any, redis: Redis) -> None:
+    """Issue 16's race, over HTTP, many times: an answer and a cancel sent together. A 202 cancel
+    ends its turn cancelled and a 409 one finds it completed; a tool.started is always followed
+    by its tool.completed (an event never says a call began that never ran)."""
+    import asyncio
+    import json
+
+    from harness.store import Store
+
+    ran: list[str] = []
+    live = await serve(agent(ran), run_turns=True)
+    store = Store(redis)
+
+    async def race(c: Any, n: int) -> tuple[int, list[str], list[dict[str, Any]]]:
+        sid = (await c.post("/v1/sessions")).json()["session_id"]
+        waited = (await c.post(f"/v1/sessions/{sid}/messages?wait=true", json={"text": f"wipe t{n}"})).json()
+        (req,) = waited["events"][-1]["data"]["requests"]
+        answer = {"request_id": req["request_id"], "decision": "approve" if n % 4 < 2 else "deny"}
+        cancel = {"turn_id": waited["events"][-1]["turn_id"]} if n % 2 else {}
+        answered, cancelled = await asyncio.gather(
+            c.post(f"/v1/sessions/{sid}/responses", json=answer), c.post(f"/v1/sessions/{sid}/cancel", json=cancel)
+        )
+        assert answered.status_code in (202, 409) and cancelled.status_code in (202, 409), cancelled.text
+        await c.post(f"/v1/sessions/{sid}/messages?wait=true", json={"text": "after"})  # queued behind it
+        events = [json.loads(e.raw) for e in await store.events(sid, "0-0")]
+        return cancelled.status_code, [e["type"] for e in events], events
+
+    async with live.client() as c:
+        outcomes = await asyncio.gather(*(race(c, n) for n in range(40)))
+    for status, types, events in outcomes:
+        first_end = next(t for t in types if t in ("turn.completed", "turn.cancelled"))
+        assert first_end == ("turn.cancelled" if status == 202 else "turn.completed"), (status, types)
+        started = {e["data"]["call_id"] for e in events if e["type"] == "tool.started"}
+        completed = {e["data"]["call_id"] for e in events if e["type"] == "tool.completed"}
+        assert started <= completed, types

@@ -225,7 +225,7 @@ async def test_cancel_while_the_model_thinks_ends_the_turn_without_running_its_t
     assert (await h.wait_turn(await h.submit(sid, "anon", "next"), 10)).status == "completed"
 
 
-async def test_cancel_during_a_step_that_asks_for_approval_withdraws_what_it_asked(make_harness: Any) -> None:
+async def test_cancel_during_a_step_that_asks_for_approval_never_asks(make_harness: Any) -> None:
     ran: list[str] = []
 
     @tool(approval=True)
@@ -240,20 +240,16 @@ async def test_cancel_during_a_step_that_asks_for_approval_withdraws_what_it_ask
     sid = await h.create_session("anon")
     await h.submit(sid, "anon", "go")
     await asyncio.wait_for(thinking.wait(), 5)
-    await cancel_unheard(h, sid)  # the step commits its requests with the cancel pending
+    await cancel_unheard(h, sid)  # the step would commit its requests with the cancel pending
     after = await h.submit(sid, "anon", "after")  # runs once the cancelled turn has ended
     release.set()
     assert (await h.wait_turn(after, 10)).status == "completed"
-    assert [e.type for e in await h.store.events(sid, "0-0")].count("turn.cancelled") == 1
-    events = await h.store.events(sid, "0-0")
-    requested = next(e for e in events if e.type == "input.requested")
-    rid = requested.raw.split(b'"request_id":"')[1].split(b'"')[0].decode()
-    resolved = [e.raw for e in events if e.type == "input.resolved"]
-    assert len(resolved) == 1 and b'"decision":"withdrawn"' in resolved[0]
-    with pytest.raises(Conflict) as late:
-        await h.respond(sid, "anon", rid, "approve")
-    assert late.value.details == {"decision": "withdrawn"}
+    types = [e.type for e in await h.store.events(sid, "0-0")]
+    assert types.count("turn.cancelled") == 1
+    assert "input.requested" not in types and "input.resolved" not in types  # nobody is asked in vain
     assert ran == [] and (await h.session(sid, "anon")).pending == []
+    history = await h.history(sid, "anon")
+    assert [(i.role, i.text) for i in history] == [("user", "go"), ("user", "after"), ("assistant", "ok")]
 
 
 async def test_provider_call_ids_that_repeat_do_not_collide(make_harness: Any) -> None:
@@ -328,36 +324,141 @@ async def test_a_crash_between_a_cancelled_pause_and_its_cancellation_still_with
 ) -> None:
     from harness.turn import TurnRunner
 
-    @tool(approval=True)
-    def launch() -> str:
-        """Launch."""
-        return "launched"
-
-    stall = Stalling("go", "launch")
-    thinking, release = stall.thinking, stall.release
-
     real_cancel = TurnRunner.cancel
     crashes = []
 
     async def dying_cancel(self: TurnRunner) -> Any:
-        if not crashes:  # the first runner "dies" here: after the pause commit, before the cancel commit
+        if not crashes:  # the first runner "dies" here: after the cancel is taken, before its commit
             crashes.append(1)
             raise RuntimeError("process died")
         return await real_cancel(self)
 
     monkeypatch.setattr(TurnRunner, "cancel", dying_cancel)
-    h = await make_harness(Agent(instructions="t", tools=[launch], model=ScriptedModel(stall)), lease_ms=500)
+    agent, _ = gated_agent([])
+    h = await make_harness(agent, lease_ms=500)
     sid = await h.create_session("anon")
-    await h.submit(sid, "anon", "go")
-    await asyncio.wait_for(thinking.wait(), 5)
-    await cancel_unheard(h, sid)  # the step commits its requests with the cancel pending
+    assert (await h.wait_turn(await h.submit(sid, "anon", "delete /z"), 10)).status == "waiting"
+    await h.cancel(sid, "anon")
     after = await h.submit(sid, "anon", "after")
-    release.set()
     assert (await h.wait_turn(after, 15)).status == "completed"  # the reclaimed job finished the cancel
     events = await h.store.events(sid, "0-0")
     rid = next(e for e in events if e.type == "input.requested").raw.split(b'"request_id":"')[1].split(b'"')[0]
     resolved = [e.raw for e in events if e.type == "input.resolved"]
     assert len(resolved) == 1 and rid in resolved[0] and b'"withdrawn"' in resolved[0]
+    assert [e.type for e in events].count("turn.cancelled") == 1
     with pytest.raises(Conflict):
         await h.respond(sid, "anon", rid.decode(), "approve")
     assert crashes == [1]
+
+
+# ---- a cancel racing the turn's next commit (issue 16: found by a hostile client) ------------
+
+
+async def test_a_cancel_accepted_while_the_last_reply_is_on_its_way_ends_the_turn_cancelled(
+    make_harness: Any,
+) -> None:
+    """The cancel lands after the model answered and before its final step commits (its notice
+    does not reach the call): the accepted cancel wins; the reply is not stored or announced."""
+    box: dict[str, Harness] = {}
+
+    @tool
+    def look() -> str:
+        """Looks."""
+        return "seen"
+
+    async def script(r: ModelRequest) -> ModelReply:
+        if r.messages[-1].role == "user":
+            return ModelReply(tool_calls=[ToolCall("look")])
+        assert (await box["h"].store.cancel(r.session_id, "anon"))[0] == r.turn_id  # 202 for this turn
+        return ModelReply(text="all done")
+
+    h = box["h"] = await make_harness(Agent(instructions="t", tools=[look], model=ScriptedModel(script)))
+    sid = await h.create_session("anon")
+    turn = await h.wait_turn(await h.submit(sid, "anon", "go"), 10)
+    assert turn.status == "cancelled"
+    types = [e.type for e in await h.store.events(sid, "0-0")]
+    assert "turn.completed" not in types and types.count("turn.cancelled") == 1
+    assert types.count("message.completed") == 0
+    history = await h.history(sid, "anon")
+    assert [(i.role, i.text) for i in history] == [("user", "go"), ("assistant", ""), ("tool", "seen")]
+    info = await h.session(sid, "anon")
+    assert info.status == "idle" and info.usage["model_calls"] == 2  # the dropped reply's attempt counts
+
+
+async def test_a_cancel_after_an_approval_never_announces_a_call_that_will_not_run(make_harness: Any) -> None:
+    """The answer resumes the turn; the cancel lands after the resume began and before the
+    approved call starts: no tool.started for a call that never runs."""
+    from harness.turn import TurnRunner
+
+    runs: list[tuple[str, dict[str, Any], str]] = []
+    agent, _ = gated_agent(runs)
+    h = await make_harness(agent, run_turns=False)  # the test runs the turn, to place the cancel exactly
+    sid = await h.create_session("anon")
+    await h.submit(sid, "anon", "delete /x")
+    begun = await h.store.begin(sid, "", 5_000)
+    await TurnRunner(h.store, agent, sid, begun, lambda *a: None).run()  # pauses with one request
+    rid = (await h.session(sid, "anon")).pending[0]["request_id"]
+    await h.respond(sid, "anon", rid, "approve")
+    begun = await h.store.begin(sid, "", 5_000)  # the resume has begun...
+    turn_id = await h.cancel(sid, "anon")  # ...when the cancel is accepted
+    await TurnRunner(h.store, agent, sid, begun, lambda *a: None).run()
+    events = await h.store.events(sid, "0-0")
+    types = [e.type for e in events]
+    assert runs == [] and "tool.started" not in types
+    assert types[-1] == "turn.cancelled" and events[-1].raw.count(turn_id.encode()) == 1
+    history = await h.history(sid, "anon")
+    assert history[-1].role == "tool" and history[-1].text == "error: the turn was cancelled; not run"
+
+
+async def test_a_cancel_while_the_model_picks_a_tool_announces_no_call(make_harness: Any) -> None:
+    """A step that calls an ungated tool commits with the cancel pending: neither its reply nor a
+    tool.started is written; the turn ends cancelled with its user message alone."""
+    ran: list[str] = []
+
+    @tool
+    def act() -> str:
+        """Acts."""
+        ran.append("act")
+        return "acted"
+
+    stall = Stalling("go", "act")
+    h = await make_harness(Agent(instructions="t", tools=[act], model=ScriptedModel(stall)))
+    sid = await h.create_session("anon")
+    go = await h.submit(sid, "anon", "go")
+    await asyncio.wait_for(stall.thinking.wait(), 5)
+    await cancel_unheard(h, sid)
+    stall.release.set()
+    assert (await h.wait_turn(go, 10)).status == "cancelled"
+    types = [e.type for e in await h.store.events(sid, "0-0")]
+    assert ran == [] and "tool.started" not in types
+    assert [(i.role, i.text) for i in await h.history(sid, "anon")] == [("user", "go")]
+
+
+async def test_a_cancel_between_two_calls_announces_only_the_call_that_ran(make_harness: Any) -> None:
+    """Two ungated calls in one step; the cancel lands while the first runs: the first has its
+    tool.started and tool.completed, the second neither (it is closed as not run)."""
+    box: dict[str, Harness] = {}
+
+    @tool
+    async def first(ctx: ToolContext) -> str:
+        """First."""
+        await box["h"].store.cancel(ctx.session_id, "anon")
+        return "one"
+
+    @tool
+    def second() -> str:
+        """Second."""
+        return "two"
+
+    def script(r: ModelRequest) -> ModelReply:
+        return ModelReply(tool_calls=[ToolCall("first"), ToolCall("second")])
+
+    h = box["h"] = await make_harness(Agent(instructions="t", tools=[first, second], model=ScriptedModel(script)))
+    sid = await h.create_session("anon")
+    assert (await h.wait_turn(await h.submit(sid, "anon", "go"), 10)).status == "cancelled"
+    events = await h.store.events(sid, "0-0")
+    started = [e.raw for e in events if e.type == "tool.started"]
+    assert len(started) == 1 and b'"tool":"first"' in started[0]
+    assert [e.type for e in events].count("tool.completed") == 1
+    history = await h.history(sid, "anon")
+    assert [i.text for i in history if i.role == "tool"] == ["one", "error: the turn was cancelled; not run"]
