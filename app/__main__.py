@@ -12,6 +12,7 @@ import uvicorn
 from app import create_app
 from app.embedded import EmbeddedError, EmbeddedValkey
 from app.settings import Settings, SettingsError
+from app.wsproto import KeelWebSocketProtocol
 from harness.errors import Unavailable
 from harness.store import reachable
 
@@ -38,7 +39,7 @@ def uvicorn_options(settings: Settings) -> dict[str, Any]:
     return {
         "log_level": settings.log_level,
         "timeout_graceful_shutdown": 5,
-        "ws": "websockets-sansio",
+        "ws": KeelWebSocketProtocol,  # websockets-sansio, closing refused messages and handshakes properly
         "ws_max_size": settings.ws_max_frame,
         "ws_ping_interval": 20.0,
         "ws_ping_timeout": 20.0,

@@ -4,14 +4,19 @@ changes nothing."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from redis.asyncio import Redis
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 from tests.channels.slack_support import echo_agent
+from tests.channels.test_http import snapshot
+from tests.conftest import ValkeyServer, free_port
+from tests.service import Service
 
 pytestmark = pytest.mark.asyncio
 NOT_ASCII_DIGITS = ["³", "①", "²", "٣", "１"]
@@ -128,3 +133,46 @@ async def test_a_body_that_stalls_mid_way_gets_408(serve: Any, redis: Redis) -> 
     finally:
         writer.close()
     assert await redis.xlen(f"keel:{{{sid}}}:outbox") == before
+
+
+async def test_a_fragmented_message_over_the_limit_is_closed_1009_not_reset(
+    valkey: ValkeyServer, redis: Redis, tmp_path: Path
+) -> None:
+    """16 MB sent as 16 KB fragments to keel in a process of its own: the client gets close 1009
+    (keel closed the socket under the client's in-flight data: a TCP reset, no close code), and
+    nothing changes."""
+    svc = Service(tmp_path, free_port(), REDIS_URL=valkey.url, KEEL_AGENT="tests.crash_agent:agent")
+    svc.start()
+    try:
+        async with httpx.AsyncClient(base_url=svc.base) as c:
+            sid = (await c.post("/v1/sessions")).json()["session_id"]
+        before = await snapshot(redis)
+        for _ in range(3):
+            with pytest.raises(ConnectionClosed) as closed:
+                async with connect(f"ws://127.0.0.1:{svc.port}/v1/sessions/{sid}/ws", max_size=None) as ws:
+                    await ws.send("x" * 16_384 for _ in range(1_000))
+                    await asyncio.wait_for(ws.recv(), 10)
+            assert closed.value.rcvd is not None and closed.value.rcvd.code == 1009, closed.value
+        assert await snapshot(redis) == before
+    finally:
+        svc.stop()
+
+
+async def raw_handshake(port: int, path: str, extra: str = "") -> bytes:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(
+        f"GET {path} HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+        f"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n{extra}\r\n".encode()
+    )
+    answer = await asyncio.wait_for(reader.read(), 10)  # the whole answer, to the server's close
+    writer.close()
+    return answer
+
+
+async def test_an_oversized_websocket_handshake_gets_an_answer(serve: Any) -> None:
+    """A request line or a header over 8 KB on the websocket route got no answer at all."""
+    live = await serve(echo_agent())
+    long_line = await raw_handshake(live.port, "/v1/sessions/x/ws?after=" + "1" * 9_000)
+    assert long_line.startswith(b"HTTP/1.1 414 ") and b'"code": "uri_too_long"' in long_line
+    big_header = await raw_handshake(live.port, "/v1/sessions/x/ws", "X-Big: " + "b" * 9_000 + "\r\n")
+    assert big_header.startswith(b"HTTP/1.1 431 ") and b'"code": "headers_too_large"' in big_header
