@@ -16,6 +16,7 @@ from starlette.middleware import Middleware
 from app.settings import Settings
 from channels.auth import ApiKeyAuth
 from channels.errors import http_error_handler, keel_error_handler
+from channels.limits import Occupancy
 from channels.routes import routes
 from channels.tokens import TokenSigner
 from channels.webhooks.base import WebhookChannel
@@ -57,6 +58,8 @@ def build_harness(
         retention=settings.event_retention,
         lease_ms=settings.lease_ms,
         concurrency=settings.runner_concurrency,
+        rate_limit=settings.rate_limit,
+        max_queued=settings.max_queued,
     )
 
 
@@ -131,6 +134,8 @@ def create_app(
     app.state.sse_heartbeat = settings.sse_heartbeat
     app.state.ws_stats = WsStats()
     app.state.ws_gate = asyncio.Semaphore(OPENING_AT_ONCE)
+    app.state.readers = Occupancy(settings.max_readers, "readers of this session", "too_many_readers")
+    app.state.token_sockets = Occupancy(settings.max_token_sockets, "websockets with this token", "too_many_sockets")
     app.state.ws = WsConfig(
         max_frame=settings.ws_max_frame,
         heartbeat=settings.ws_heartbeat,

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness.models.spec import check as check_model
+from harness.quotas import RateLimit
 
 DEMO_AGENT = "app.demo:agent"
 
@@ -58,6 +59,16 @@ def _url(env: dict[str, str], name: str, default: str, *, slash: bool = True) ->
     return raw + "/" if slash and not raw.endswith("/") else raw
 
 
+def _rate(env: dict[str, str], name: str) -> RateLimit | None:
+    raw = env.get(name, "").strip()
+    if not raw or raw.lower() == "off":
+        return None
+    try:
+        return RateLimit.parse(raw)
+    except ValueError as exc:
+        raise SettingsError(f"{name}: {exc}") from None
+
+
 def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -103,6 +114,10 @@ class Settings:
     webhook_allow_private: bool = False
     webhook_retry_hours: float = 24.0
     webhook_timeout: float = 15.0
+    rate_limit: RateLimit | None = None  # per API key: sessions, messages, compactions, tokens
+    max_queued: int = 100  # messages waiting behind a session's current turn
+    max_readers: int = 32  # SSE streams and websockets on one session, per process
+    max_token_sockets: int = 8  # websockets opened with one session token, per process
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> Settings:
@@ -143,6 +158,10 @@ class Settings:
             webhook_retry_hours=_float(env, "KEEL_WEBHOOK_RETRY_HOURS", 24.0),
             webhook_timeout=_float(env, "KEEL_WEBHOOK_TIMEOUT_S", 15.0),
             slack_approvers=frozenset(u.strip() for u in env.get("KEEL_SLACK_APPROVERS", "").split(",") if u.strip()),
+            rate_limit=_rate(env, "KEEL_RATE_LIMIT"),
+            max_queued=_int(env, "KEEL_MAX_QUEUED", 100, low=1),
+            max_readers=_int(env, "KEEL_MAX_SESSION_EVENTS_READERS", 32, low=1),
+            max_token_sockets=_int(env, "KEEL_MAX_TOKEN_SOCKETS", 8, low=1),
         )
         if bool(settings.linear_webhook_secret) != bool(settings.linear_api_key):
             raise SettingsError("the Linear channel needs both LINEAR_WEBHOOK_SECRET and LINEAR_API_KEY")

@@ -9,10 +9,16 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
-from harness.errors import Conflict, InvalidInput, KeelError, NotFound, Unavailable
+from harness.errors import Conflict, InvalidInput, KeelError, Limited, NotFound, Unavailable
 
 _enc = msgspec.json.Encoder()
-_STATUS: list[tuple[type[KeelError], int]] = [(InvalidInput, 400), (NotFound, 404), (Conflict, 409), (Unavailable, 503)]
+_STATUS: list[tuple[type[KeelError], int]] = [
+    (InvalidInput, 400),
+    (NotFound, 404),
+    (Conflict, 409),
+    (Limited, 429),
+    (Unavailable, 503),
+]
 # Storage unavailable for a moment: a 503 the client retries (a repeated message_id or answer
 # is safe), with Retry-After, rather than an opaque 500.
 RETRY_AFTER = {"Retry-After": "1"}
@@ -55,6 +61,8 @@ async def keel_error_handler(request: Request, exc: Exception) -> Response:
         return error_response(exc.status, exc.code, exc.message)
     status = next((s for cls, s in _STATUS if isinstance(exc, cls)), 400)
     headers = RETRY_AFTER if isinstance(exc, Unavailable) else None
+    if isinstance(exc, Limited):  # the client may come back after this long
+        headers = {"Retry-After": str(exc.retry_after)}
     return error_response(status, exc.code, exc.message, headers=headers, details=exc.details)
 
 

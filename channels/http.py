@@ -113,7 +113,9 @@ def item_json(item: Item) -> dict[str, Any]:
 
 async def create_session(request: Request) -> Response:
     body = decode(create_session_decoder, await read_body(request), empty_ok=True)
-    sid = await harness_of(request).create_session(owner_of(request), body.metadata)
+    harness = harness_of(request)
+    await harness.admit(owner_of(request))
+    sid = await harness.create_session(owner_of(request), body.metadata)
     return json_response({"session_id": sid}, 201)
 
 
@@ -130,6 +132,7 @@ async def send_message(request: Request) -> Response:
             raise ChannelError(400, "invalid_query", "?timeout= must be positive")
     body = decode(send_message_decoder, await read_body(request))
     harness = harness_of(request)
+    await harness.admit(owner_of(request))
     if wait:
         turn = await harness.submit_and_wait(
             sid, owner_of(request), body.text, context=body.context, message_id=body.message_id, timeout=timeout
@@ -169,6 +172,8 @@ async def _operation(request: Request, kind: Literal["compact", "clear"]) -> Res
     sid = request.path_params["sid"]
     decode(empty_decoder, await read_body(request), empty_ok=True)
     harness = harness_of(request)
+    if kind == "compact":  # (a compaction calls the model: it counts like a message)
+        await harness.admit(owner_of(request))
     op = harness.compact if kind == "compact" else harness.clear
     op_id = await op(sid, owner_of(request))
     return json_response({"session_id": sid, "turn_id": op_id}, 202)
@@ -180,6 +185,7 @@ async def mint_token(request: Request) -> Response:
     decode(empty_decoder, await read_body(request), empty_ok=True)
     owner = owner_of(request)
     await harness_of(request).check_owner(sid, owner)
+    await harness_of(request).admit(owner)
     token, expires_at = request.app.state.tokens.mint(sid, owner)
     return json_response({"token": token, "expires_at": expires_at}, 201)
 

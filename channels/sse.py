@@ -6,12 +6,14 @@ as a heartbeat when nothing happened for a while."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import AsyncIterator
 
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from channels.http import harness_of, owner_of
+from channels.limits import HeldStream, Occupancy
 from harness import failpoints
 from harness.events import LiveEvent
 from harness.ids import stream_key
@@ -40,4 +42,6 @@ async def stream_events(request: Request) -> Response:
                 yield b"id: %s\nevent: %s\ndata: %s\n\n" % (event.id.encode(), event.type.encode(), event.raw)
                 failpoints.reached("outbox.after_publish")
 
-    return StreamingResponse(body(), media_type="text/event-stream", headers=HEADERS)
+    readers: Occupancy = request.app.state.readers
+    readers.take(sid)  # (429 too_many_readers when the session has its fill of them here)
+    return HeldStream(body(), functools.partial(readers.give, sid), media_type="text/event-stream", headers=HEADERS)

@@ -10,7 +10,8 @@ and `{"type": "pong", "ref"}`.
 Client frames (JSON text): message, respond, cancel, compact, clear, ping (`channels.types`).
 
 Close codes: 4401 no valid key or token, 4403 origin not allowed, 4404 unknown session (or
-another owner's), 4400 a bad `after`, 1009 a frame over the size limit, 1003 a binary frame,
+another owner's), 4400 a bad `after`, 4429 the session has its fill of readers in this process
+(or the token of websockets), 1009 a frame over the size limit, 1003 a binary frame,
 1008 too many bad frames in a row, 1013 the client does not read fast enough (its send queue
 stayed full), 1012 the server is restarting (sent by uvicorn on shutdown: reconnect).
 """
@@ -21,17 +22,19 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
+from channels.limits import Occupancy
 from channels.tokens import TokenSigner
 from channels.types import WsCancel, WsClear, WsCompact, WsFrame, WsMessage, WsPing, WsRespond, ws_frame_decoder
 from harness import Harness
 from harness.aio import cancel_and_wait
-from harness.errors import InvalidInput, KeelError, NotFound, Unavailable
+from harness.errors import InvalidInput, KeelError, Limited, NotFound, Unavailable
 from harness.service import check_event_id
 
 log = logging.getLogger("keel.ws")
@@ -88,7 +91,9 @@ async def session_socket(ws: WebSocket) -> None:
     try:
         async with gate:  # a thousand sockets opening at once take turns at Redis
             sid, owner, after = await _admit(ws, harness, config, ws.app.state.tokens)
-        await Connection(ws, harness, config, sid, owner, gate=gate).run(after)
+        token = ws.query_params.get("token") if ws.scope.get("state", {}).get("owner") is None else None
+        with _held(ws.app.state.readers, sid), _held(ws.app.state.token_sockets, token):
+            await Connection(ws, harness, config, sid, owner, gate=gate).run(after)
     except Unavailable as exc:  # storage gone for a moment: the client reconnects after its last event
         log.warning("session socket: %s", exc.message)
         await _close(ws, stats, Closed(1013, "storage unavailable; reconnect"))
@@ -98,6 +103,22 @@ async def session_socket(ws: WebSocket) -> None:
         pass
     finally:
         stats.open -= 1
+
+
+@contextlib.contextmanager
+def _held(places: Occupancy, key: str | None) -> Iterator[None]:
+    """A place for `key` (none needed without one) while the socket lives, or close 4429."""
+    if key is None:
+        yield
+        return
+    try:
+        places.take(key)
+    except Limited as exc:
+        raise Closed(4429, exc.message) from None
+    try:
+        yield
+    finally:
+        places.give(key)
 
 
 async def _close(ws: WebSocket, stats: WsStats, closed: Closed) -> None:
@@ -194,6 +215,8 @@ class Connection:
         except Unavailable as exc:
             log.warning("session %s: on a websocket frame: %s", self.sid, exc.message)
             await self._error("unavailable", "storage is unavailable; send the frame again", ref)
+        except Limited as exc:  # not a bad frame: the client is told when to send it again
+            await self._error(exc.code, exc.message, ref, retry_after=exc.retry_after, bad=False)
         except KeelError as exc:
             await self._error(exc.code, exc.message, ref)
 
@@ -201,23 +224,30 @@ class Connection:
         h, sid, owner = self.harness, self.sid, self.owner
         match frame:
             case WsMessage(text=text, context=context, message_id=message_id):
+                await h.admit(owner)
                 await h.submit(sid, owner, text, context, message_id)
             case WsRespond(request_id=rid, decision=decision, reason=reason):
                 await h.respond(sid, owner, rid, decision, reason)
             case WsCancel(turn_id=turn_id):
                 await h.cancel(sid, owner, turn_id)
             case WsCompact():
+                await h.admit(owner)
                 await h.compact(sid, owner)
             case WsClear():
                 await h.clear(sid, owner)
             case WsPing(ref=ref):
                 await self._send(_enc.encode({"type": "pong", "ref": ref}))
 
-    async def _error(self, code: str, message: str, ref: str | None) -> None:
-        self.bad += 1
+    async def _error(
+        self, code: str, message: str, ref: str | None, *, retry_after: int | None = None, bad: bool = True
+    ) -> None:
+        self.bad += bad
         if self.bad > MAX_BAD_FRAMES:
             raise Closed(1008, "too many bad frames")
-        body: dict[str, Any] = {"type": "error", "error": {"code": code, "message": message}}
+        error: dict[str, Any] = {"code": code, "message": message}
+        if retry_after is not None:
+            error["retry_after"] = retry_after
+        body: dict[str, Any] = {"type": "error", "error": error}
         if ref is not None:
             body["ref"] = ref
         await self._send(_enc.encode(body))

@@ -4,6 +4,7 @@ KeelError                  base; `code` is the stable machine-readable name
 ├── InvalidInput           the caller sent something malformed (I10: nothing was changed)
 ├── NotFound               unknown session (or one the caller may not see)
 ├── Conflict               the request contradicts the session's state
+├── Limited                a quota says not now (rate limit, queue full): retry after `retry_after` s
 ├── StaleLease             a commit by a runner that no longer owns the session (I4)
 ├── Unavailable            storage did not answer (or failed); nothing is known to be done:
 │                          the caller retries (a repeated message_id or answer is safe)
@@ -36,6 +37,14 @@ class NotFound(KeelError):
 
 class Conflict(KeelError):
     code = "conflict"
+
+
+class Limited(KeelError):
+    code = "rate_limited"
+
+    def __init__(self, message: str, *, code: str | None = None, retry_after: int = 1) -> None:
+        super().__init__(message, code=code)
+        self.retry_after = retry_after  # whole seconds, at least 1
 
 
 class StaleLease(KeelError):

@@ -16,6 +16,7 @@ from harness.context import split_context
 from harness.errors import Conflict, InvalidInput, NotFound
 from harness.events import LiveEvent, StoredEvent, decode_data
 from harness.ids import just_before, new_id, stream_key
+from harness.quotas import RateLimit, RateLimiter
 from harness.relay import Destination, Relay
 from harness.runner import Runner
 from harness.store import (
@@ -24,6 +25,7 @@ from harness.store import (
     EventHub,
     JobQueue,
     Outbox,
+    RateBuckets,
     Redis,
     Responded,
     Store,
@@ -83,10 +85,13 @@ class Harness:
         retention: int = 10_000,
         lease_ms: int = 5_000,
         concurrency: int = 64,
+        rate_limit: RateLimit | None = None,
+        max_queued: int = 0,
     ) -> None:
         self.redis = redis
         self.agent = agent
-        self.store = Store(redis, retention=retention)
+        self.store = Store(redis, retention=retention, max_queued=max_queued)
+        self.limiter = RateLimiter(RateBuckets(self.store.wire), rate_limit) if rate_limit is not None else None
         self.queue = JobQueue(redis)
         self.runner: Runner | None = None
         self.hub = EventHub(redis, runs_here=self._runs_here, cancelled=self._interrupt)
@@ -183,6 +188,12 @@ class Harness:
         await self.store.ping()
 
     # ---- commands ----------------------------------------------------------------------
+
+    async def admit(self, owner: str) -> None:
+        """Count one request that makes work (a session, a message, a token) against `owner`'s
+        rate limit, if there is one: Limited (`rate_limited`) past it. One round trip."""
+        if self.limiter is not None:
+            await self.limiter.admit(owner)
 
     async def create_session(self, owner: str, metadata: dict[str, Any] | None = None) -> str:
         sid = new_id("ses")

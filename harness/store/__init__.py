@@ -25,6 +25,7 @@ from harness.store.hooks import Subscription, Subscriptions, new_subscription
 from harness.store.hub import EventHub, Watch
 from harness.store.outbox import Outbox
 from harness.store.queue import JobQueue
+from harness.store.quotas import RateBuckets
 from harness.store.sessions import CommitMode, Store
 from harness.store.types import Begun, Busy, Committed, Responded, Submitted, UsageRecord
 
@@ -40,6 +41,7 @@ __all__ = [
     "Failing",
     "JobQueue",
     "Outbox",
+    "RateBuckets",
     "Redis",
     "Responded",
     "Store",

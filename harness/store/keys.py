@@ -65,6 +65,15 @@ def session_of(key: str) -> str:
     return key.split("{", 1)[1].rsplit("}", 1)[0]
 
 
+class QuotaKeys:
+    """One API key's rate-limit bucket (its own hash tag: owners spread over a cluster)."""
+
+    __slots__ = ("bucket",)
+
+    def __init__(self, owner: str) -> None:
+        self.bucket = f"{PREFIX}:{{quota:{owner}}}:bucket"  # hash: tokens, at (ms, server time)
+
+
 class DeliveryKeys:
     """The keys of one session's deliveries to one destination (same hash tag as the session)."""
 

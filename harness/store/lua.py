@@ -99,6 +99,7 @@ ENQUEUE = (
     _COMMON
     + """
 if not owns(A.owner) then return reply({tag = 'missing'}) end
+if A.max_queued > 0 and redis.call('LLEN', K.inbox) > A.max_queued then return reply({tag = 'full'}) end
 redis.call('RPUSH', K.inbox, A.entry)
 if redis.call('HGET', K.meta, 'status') == 'idle' then redis.call('HSET', K.meta, 'status', 'running') end
 return reply({tag = 'ok'})
@@ -200,6 +201,8 @@ if prev then
   local turn_id, received_id = string.match(prev, '^(.*) (%S+)$')
   return reply({tag = 'dup', turn_id = turn_id, received_id = received_id})
 end
+-- (the inbox's head is the turn in progress: `max_queued` may wait behind it)
+if A.max_queued > 0 and redis.call('LLEN', K.inbox) > A.max_queued then return reply({tag = 'full'}) end
 local id = emit(A.retention, 'message.received', A.body)
 local out = {tag = 'new', id = id, seq = last_seq, created = created}
 redis.call('HSET', K.mids, A.message_id, A.turn_id .. ' ' .. id)
@@ -431,5 +434,26 @@ for _, what in ipairs(due) do
   redis.call('XADD', K.jobs, '*', 's', what)
 end
 return reply({n = #due})
+"""
+)
+
+# A token bucket (a caller's rate limit): `capacity` tokens, refilled at capacity per `period_ms`,
+# on the server's clock (every process agrees). Takes one token, or says in how many ms one will
+# be there. A full bucket needs no key: it expires when it would be full again.
+TAKE_TOKEN = (
+    _COMMON
+    + """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local b = redis.call('HMGET', K.bucket, 'tokens', 'at')
+local tokens = tonumber(b[1]) or A.capacity
+local at = tonumber(b[2]) or now
+if now > at then tokens = math.min(A.capacity, tokens + (now - at) * A.capacity / A.period_ms) end
+if tokens < 1 then
+  return reply({tag = 'limited', retry_ms = math.ceil((1 - tokens) * A.period_ms / A.capacity)})
+end
+redis.call('HSET', K.bucket, 'tokens', tostring(tokens - 1), 'at', now)
+redis.call('PEXPIRE', K.bucket, A.period_ms)
+return reply({tag = 'ok'})
 """
 )

@@ -18,7 +18,7 @@ from typing import Any, Generic, Literal, TypeVar
 import msgspec
 
 from harness.store import lua
-from harness.store.keys import DeliveryKeys, RelayKeys, SessionKeys
+from harness.store.keys import DeliveryKeys, QuotaKeys, RelayKeys, SessionKeys
 
 R_co = TypeVar("R_co", covariant=True)
 _pack = msgspec.msgpack.Encoder().encode
@@ -36,7 +36,7 @@ class Script(Generic[R_co]):
         self.key_names = tuple(keys)
         self._decode = msgspec.msgpack.Decoder(reply).decode
 
-    def keys(self, k: SessionKeys | DeliveryKeys | RelayKeys) -> list[str]:
+    def keys(self, k: SessionKeys | DeliveryKeys | RelayKeys | QuotaKeys) -> list[str]:
         return [getattr(k, name) for name in self.key_names]
 
     @staticmethod
@@ -140,6 +140,7 @@ class SubmitArgs(msgspec.Struct, frozen=True):
     body: str  # the message.received event body
     begin: BeginArgs | None = None  # begin the turn if the message is alone and the lease free
     create: CreateArgs | None = None  # create the session first if it does not exist
+    max_queued: int = 0  # refuse ('full') when this many already wait behind the current turn
 
 
 class New(Reply, tag="new"):
@@ -147,6 +148,10 @@ class New(Reply, tag="new"):
     seq: int
     began: BeginReply | None = None
     created: str | None = None  # the session.created id, when this message created its session
+
+
+class Full(Reply, tag="full"):
+    """`max_queued` messages already wait: nothing was written."""
 
 
 class Duplicate(Reply, tag="dup"):
@@ -157,6 +162,7 @@ class Duplicate(Reply, tag="dup"):
 class EnqueueArgs(msgspec.Struct, frozen=True):
     owner: str
     entry: str  # the InboxMessage (JSON)
+    max_queued: int = 0
 
 
 # ---- COMMIT, USAGE, ATTEMPT --------------------------------------------------------------
@@ -337,11 +343,26 @@ class PromoteArgs(msgspec.Struct, frozen=True):
 
 
 _SESSION = ("meta", "inbox", "lease", "history", "sticky", "outbox", "decisions")
+
+
+class TakeTokenArgs(msgspec.Struct, frozen=True):
+    capacity: int
+    period_ms: int
+
+
+class NoToken(Reply, tag="limited"):
+    """No token: one will be there in `retry_ms`."""
+
+    retry_ms: int
+
+
 _COMMIT = ("meta", "lease", "history", "outbox", "inbox", "pending", "decisions")
 CREATE: Script[Added | Exists] = Script(lua.CREATE, ("meta", "outbox"), Added | Exists)
-ENQUEUE: Script[Done | Missing] = Script(lua.ENQUEUE, ("meta", "inbox"), Done | Missing)
+ENQUEUE: Script[Done | Full | Missing] = Script(lua.ENQUEUE, ("meta", "inbox"), Done | Full | Missing)
 BEGIN: Script[BeginReply] = Script(lua.BEGIN, _SESSION, BeginReply)
-SUBMIT: Script[New | Duplicate | Missing] = Script(lua.SUBMIT, (*_SESSION, "mids"), New | Duplicate | Missing)
+SUBMIT: Script[New | Duplicate | Full | Missing] = Script(
+    lua.SUBMIT, (*_SESSION, "mids"), New | Duplicate | Full | Missing
+)
 COMMIT: Script[CommitReply] = Script(lua.COMMIT, _COMMIT, CommitReply)
 USAGE: Script[Added] = Script(lua.USAGE, ("meta", "outbox"), Added)
 ATTEMPT: Script[Count] = Script(lua.ATTEMPT, ("meta",), Count)
@@ -356,7 +377,9 @@ RELAY_MARK: Script[RelayHeld | RelayLost] = Script(
     lua.RELAY_MARK, ("lease", "state", "meta", "outbox", "inbox"), RelayHeld | RelayLost
 )
 RELAY_PROMOTE: Script[Count] = Script(lua.RELAY_PROMOTE, ("later", "jobs"), Count)
+TAKE_TOKEN: Script[Done | NoToken] = Script(lua.TAKE_TOKEN, ("bucket",), Done | NoToken)
 SCRIPTS: tuple[Script[object], ...] = (
+    TAKE_TOKEN,
     RELAY_PROMOTE,
     RELAY_TAKE,
     RELAY_MARK,

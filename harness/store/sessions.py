@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 import msgspec
 from redis.asyncio import Redis
 
-from harness.errors import Conflict, NotFound, StaleLease
+from harness.errors import Conflict, Limited, NotFound, StaleLease
 from harness.events import StoredEvent, envelope, event_body, made, written
 from harness.store import protocol as p
 from harness.store.cache import HistoryCache
@@ -45,10 +45,13 @@ def _missing(sid: str) -> NotFound:
 
 
 class Store:
-    def __init__(self, redis: Redis, *, retention: int = 10_000, cache_sessions: int = 1024) -> None:
+    def __init__(
+        self, redis: Redis, *, retention: int = 10_000, cache_sessions: int = 1024, max_queued: int = 0
+    ) -> None:
         self.redis = redis
         self.wire = Wire(redis)  # every script goes this way
         self.retention = retention
+        self.max_queued = max_queued  # messages that may wait behind a session's current turn (0: any)
         self._known: dict[str, str] = {}  # session id -> owner, seen to exist
         self._cache = HistoryCache(cache_sessions)
 
@@ -137,13 +140,23 @@ class Store:
             new_session = p.CreateArgs(owner, repr(time.time()), metadata, self.retention, created_body.decode())
         entry = _enc.encode(message).decode()
         args = p.SubmitArgs(
-            owner, message.message_id, message.turn_id, entry, self.retention, body.decode(), begin, new_session
+            owner,
+            message.message_id,
+            message.turn_id,
+            entry,
+            self.retention,
+            body.decode(),
+            begin,
+            new_session,
+            self.max_queued,
         )
         also = [relay_job(sid, d) for d in deliver_to]
         look = look_first and create is None
         res, job_id = await self._with_job(p.SUBMIT, sid, owner, args, also=also, look_first=look)
         if isinstance(res, p.Duplicate):
             return Submitted(True, res.turn_id, res.received_id, None, None, job_id)
+        if isinstance(res, p.Full):
+            raise self._full()
         assert isinstance(res, p.New)
         event = made(sid, res.id, res.seq, "message.received", body)
         began = self._begun(sid, res.began, have) if res.began is not None else None
@@ -155,9 +168,16 @@ class Store:
     async def enqueue(self, sid: str, owner: str, entry: InboxMessage, *, deliver_to: Sequence[str] = ()) -> str:
         """Queue a compact or clear entry behind the session's turns, with its job (and relay
         jobs for `deliver_to`) in the same round trip. Returns the job id."""
-        args = p.EnqueueArgs(owner, _enc.encode(entry).decode())
-        _, job_id = await self._with_job(p.ENQUEUE, sid, owner, args, also=[relay_job(sid, d) for d in deliver_to])
+        args = p.EnqueueArgs(owner, _enc.encode(entry).decode(), self.max_queued)
+        res, job_id = await self._with_job(p.ENQUEUE, sid, owner, args, also=[relay_job(sid, d) for d in deliver_to])
+        if isinstance(res, p.Full):
+            raise self._full()
         return job_id
+
+    def _full(self) -> Limited:
+        """The session's queue is full (nothing was written; the job that came along is harmless)."""
+        message = f"{self.max_queued} messages already wait in this session; try again when it has answered"
+        return Limited(message, code="queue_full", retry_after=1)
 
     @translated
     async def add_job(self, sid: str) -> str:

@@ -94,6 +94,8 @@ def test_a_second_service_on_the_same_data_dir_is_refused(service: Service, tmp_
         ({"SLACK_SIGNING_SECRET": "s"}, "keel: the Slack channel needs both SLACK_SIGNING_SECRET and SLACK_BOT_TOKEN"),
         ({"SLACK_BOT_TOKEN": "xoxb-1"}, "keel: the Slack channel needs both SLACK_SIGNING_SECRET and SLACK_BOT_TOKEN"),
         ({"KEEL_SLACK_API_URL": "slack.local"}, "keel: KEEL_SLACK_API_URL must be an http(s) URL"),
+        ({"KEEL_RATE_LIMIT": "60 per minute"}, "keel: KEEL_RATE_LIMIT: a rate looks like 60/min"),
+        ({"KEEL_RATE_LIMIT": "0/min"}, "keel: KEEL_RATE_LIMIT: a rate looks like 60/min"),
         (
             {"LINEAR_API_KEY": "lin_api_x"},
             "keel: the Linear channel needs both LINEAR_WEBHOOK_SECRET and LINEAR_API_KEY",
