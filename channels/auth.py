@@ -18,6 +18,11 @@ from channels.errors import error_body
 ANONYMOUS = "anon"
 
 
+def protected(path: str) -> bool:
+    """Whether a path needs the API key (when keys are set): the API under `/v1/`."""
+    return path.startswith("/v1/")
+
+
 def owner_of(key: str) -> str:
     return hashlib.sha256(b"keel-owner:" + key.encode()).hexdigest()[:32]
 
@@ -44,7 +49,7 @@ class ApiKeyAuth:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
-        if scope["type"] not in ("http", "websocket") or not path.startswith("/v1/") or path in self._open:
+        if scope["type"] not in ("http", "websocket") or not protected(path) or path in self._open:
             await self.app(scope, receive, send)
             return
         header = next((v for k, v in scope["headers"] if k == b"authorization"), None)

@@ -13,8 +13,24 @@ import msgspec
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
+from channels.answers import (
+    Health,
+    HistoryPage,
+    MessageAccepted,
+    ResponseAccepted,
+    SessionCreated,
+    SessionToken,
+    TurnQueued,
+    history_item,
+)
 from channels.errors import ChannelError, error_response
+from channels.spec import Answer, Param, operation
 from channels.types import (
+    Cancel,
+    CreateSession,
+    Empty,
+    Respond,
+    SendMessage,
     cancel_decoder,
     create_session_decoder,
     empty_decoder,
@@ -23,7 +39,7 @@ from channels.types import (
 )
 from harness import Harness
 from harness.errors import Unavailable
-from harness.types import Item
+from harness.types import SessionInfo, TurnResult
 
 _enc = msgspec.json.Encoder()
 MAX_WAIT_S = 300.0
@@ -92,33 +108,41 @@ def flag(request: Request, name: str) -> bool:
     raise ChannelError(400, "invalid_query", f"?{name}= takes true or false")
 
 
-def item_json(item: Item) -> dict[str, Any]:
-    out: dict[str, Any] = {
-        "id": item.id,
-        "role": item.role,
-        "text": item.text,
-        "kind": item.kind,
-        "turn_id": item.turn_id,
-    }
-    if item.tool_calls:
-        out["tool_calls"] = [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in item.tool_calls]
-    if item.tool_call_id is not None:
-        out["tool_call_id"] = item.tool_call_id
-        out["tool_name"] = item.tool_name
-        out["is_error"] = item.is_error
-    if item.message_id is not None:
-        out["message_id"] = item.message_id
-    return out
+NOT_FOUND = {404: "`session_not_found`: no such session, or another key's"}
+RATED = {429: "`rate_limited`: past `KEEL_RATE_LIMIT` for this key (Retry-After)"}
+QUEUED = {429: "`rate_limited` (past `KEEL_RATE_LIMIT`), `queue_full` (past `KEEL_MAX_QUEUED`); Retry-After"}
 
 
+@operation(
+    "Create a session",
+    Answer(201, SessionCreated, "The new session", provides={"sid": "$response.body#/session_id"}),
+    body=CreateSession,
+    body_optional=True,
+    errors=RATED,
+)
 async def create_session(request: Request) -> Response:
     body = decode(create_session_decoder, await read_body(request), empty_ok=True)
     harness = harness_of(request)
     await harness.admit(owner_of(request))
     sid = await harness.create_session(owner_of(request), body.metadata)
-    return json_response({"session_id": sid}, 201)
+    return json_response(SessionCreated(sid), 201)
 
 
+@operation(
+    "Send a message",
+    Answer(202, MessageAccepted, "Queued (without `wait`)"),
+    Answer(200, TurnResult, "With `?wait=true`: the turn settled, or `pending` past the timeout"),
+    body=SendMessage,
+    errors={
+        **NOT_FOUND,
+        **QUEUED,
+        400: "`invalid_request`, `invalid_json`, `invalid_message_id`, `invalid_query`",
+    },
+    params=(
+        Param("wait", {"type": "boolean"}, "Answer when the turn settles (200) instead of at once (202)"),
+        Param("timeout", {"type": "number", "exclusiveMinimum": 0}, "With `wait`: seconds (at most 300)"),
+    ),
+)
 async def send_message(request: Request) -> Response:
     sid = request.path_params["sid"]
     wait = flag(request, "wait")
@@ -139,29 +163,60 @@ async def send_message(request: Request) -> Response:
         )
         return json_response(turn, 200)
     result = await harness.submit(sid, owner_of(request), body.text, body.context, body.message_id)
-    return json_response({"session_id": sid, "message_id": result.message_id}, 202)
+    return json_response(MessageAccepted(sid, result.message_id), 202)
 
 
+@operation(
+    "Answer an approval request",
+    Answer(202, ResponseAccepted, "Recorded (the same answer again is accepted too)"),
+    body=Respond,
+    errors={
+        404: "`session_not_found`, `request_not_found`",
+        409: "`already_answered` (with the recorded `decision`)",
+        400: "`invalid_request`, `invalid_json`, `invalid_decision`",
+    },
+)
 async def respond(request: Request) -> Response:
     sid = request.path_params["sid"]
     body = decode(respond_decoder, await read_body(request))
     res = await harness_of(request).respond(sid, owner_of(request), body.request_id, body.decision, body.reason)
-    return json_response({"session_id": sid, "request_id": body.request_id, "decision": res.answer.decision}, 202)
+    return json_response(ResponseAccepted(sid, body.request_id, res.answer.decision), 202)
 
 
+@operation(
+    "Cancel the turn in progress (or only `turn_id`)",
+    Answer(202, TurnQueued, "The turn that will end with turn.cancelled"),
+    body=Cancel,
+    body_optional=True,
+    errors={**NOT_FOUND, 409: "`nothing_to_cancel`", 400: "`invalid_request`, `invalid_json`, `invalid_turn_id`"},
+)
 async def cancel(request: Request) -> Response:
     sid = request.path_params["sid"]
     body = decode(cancel_decoder, await read_body(request), empty_ok=True)
     turn_id = await harness_of(request).cancel(sid, owner_of(request), body.turn_id)
-    return json_response({"session_id": sid, "turn_id": turn_id}, 202)
+    return json_response(TurnQueued(sid, turn_id), 202)
 
 
+@operation(
+    "Queue a compaction",
+    Answer(202, TurnQueued, "Queued behind the session's turns"),
+    body=Empty,
+    body_optional=True,
+    errors={**NOT_FOUND, **QUEUED},
+)
 async def compact(request: Request) -> Response:
     """Queue a compaction behind the session's turns: 202, then compaction.requested,
     compaction.completed and session.waiting on the event stream."""
     return await _operation(request, "compact")
 
 
+@operation(
+    "Queue a clear of the model's history",
+    Answer(202, TurnQueued, "Queued behind the session's turns"),
+    body=Empty,
+    body_optional=True,
+    errors={**NOT_FOUND, 429: "`queue_full`: past `KEEL_MAX_QUEUED` (Retry-After)"},
+)
 async def clear(request: Request) -> Response:
     """Queue a clear of the model's history behind the session's turns: 202, then
     context.cleared and session.waiting on the event stream."""
@@ -176,9 +231,16 @@ async def _operation(request: Request, kind: Literal["compact", "clear"]) -> Res
         await harness.admit(owner_of(request))
     op = harness.compact if kind == "compact" else harness.clear
     op_id = await op(sid, owner_of(request))
-    return json_response({"session_id": sid, "turn_id": op_id}, 202)
+    return json_response(TurnQueued(sid, op_id), 202)
 
 
+@operation(
+    "Mint a websocket token for a browser",
+    Answer(201, SessionToken, "A short-lived token for `?token=` on this session's websocket"),
+    body=Empty,
+    body_optional=True,
+    errors={**NOT_FOUND, **RATED},
+)
 async def mint_token(request: Request) -> Response:
     """A short-lived token for a browser to open this session's websocket with (`?token=`)."""
     sid = request.path_params["sid"]
@@ -187,9 +249,10 @@ async def mint_token(request: Request) -> Response:
     await harness_of(request).check_owner(sid, owner)
     await harness_of(request).admit(owner)
     token, expires_at = request.app.state.tokens.mint(sid, owner)
-    return json_response({"token": token, "expires_at": expires_at}, 201)
+    return json_response(SessionToken(token, expires_at), 201)
 
 
+@operation("A session's status, open requests, queue, usage", Answer(200, SessionInfo, "The session"), errors=NOT_FOUND)
 async def get_session(request: Request) -> Response:
     info = await harness_of(request).session(request.path_params["sid"], owner_of(request))
     return json_response(info)
@@ -204,6 +267,15 @@ def int_query(request: Request, name: str, default: int, low: int, high: int) ->
     return int(raw)
 
 
+@operation(
+    "A page of the active history, oldest first",
+    Answer(200, HistoryPage, "Items, and where the next page starts"),
+    errors={**NOT_FOUND, 400: "`invalid_query`"},
+    params=(
+        Param("offset", {"type": "integer", "minimum": 0, "maximum": 10**9}, "Where the page starts"),
+        Param("limit", {"type": "integer", "minimum": 1, "maximum": HISTORY_PAGE_MAX}, "Items (500 by default)"),
+    ),
+)
 async def get_history(request: Request) -> Response:
     """A page of the active history, oldest first: `?offset=` (default 0) and `?limit=` (default
     500, at most 1000); `next_offset` is where the next page starts, null after the last one."""
@@ -212,18 +284,26 @@ async def get_history(request: Request) -> Response:
     sid = request.path_params["sid"]
     items = await harness_of(request).history(sid, owner_of(request), offset, limit + 1)
     more = len(items) > limit
-    page = [item_json(i) for i in items[:limit]]
-    return json_response({"items": page, "next_offset": offset + limit if more else None})
+    page = [history_item(i) for i in items[:limit]]
+    return json_response(HistoryPage(page, offset + limit if more else None))
 
 
+@operation("The process is up", Answer(200, Health, "Always"), storage=False, tag="operations")
 async def healthz(request: Request) -> Response:
-    return json_response({"ok": True})
+    return json_response(Health(ok=True))
 
 
+@operation(
+    "Redis is reachable",
+    Answer(200, Health, "Ready"),
+    errors={503: "`redis_unavailable`"},
+    storage=False,
+    tag="operations",
+)
 async def readyz(request: Request) -> Response:
     try:
         await harness_of(request).ping()
     except Unavailable as exc:
         cause = type(exc.__cause__ or exc).__name__
         return error_response(503, "redis_unavailable", f"Redis is not reachable: {cause}")
-    return json_response({"ok": True})
+    return json_response(Health(ok=True))

@@ -9,6 +9,7 @@ from pathlib import Path
 from starlette.routing import BaseRoute, Route, WebSocketRoute
 
 from channels import http
+from channels.openapi import serve_openapi
 from channels.sse import stream_events
 from channels.static import demo_routes, widget_routes
 from channels.webhooks import subscriptions
@@ -28,6 +29,7 @@ def routes(*, demo_folder: Path | None = None, webhooks: Sequence[WebhookChannel
         *hooks,
         Route("/healthz", http.healthz, methods=["GET"]),
         Route("/readyz", http.readyz, methods=["GET"]),
+        Route("/openapi.json", serve_openapi, methods=["GET"]),
         Route("/v1/sessions", http.create_session, methods=["POST"]),
         Route("/v1/sessions/{sid}", http.get_session, methods=["GET"]),
         Route("/v1/sessions/{sid}/messages", http.send_message, methods=["POST"]),

@@ -12,8 +12,9 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import Response
 
-from channels.http import harness_of, owner_of
+from channels.http import NOT_FOUND, harness_of, owner_of
 from channels.limits import HeldStream, Occupancy
+from channels.spec import Answer, Param, operation
 from harness import failpoints
 from harness.events import LiveEvent
 from harness.ids import stream_key
@@ -22,6 +23,24 @@ from harness.service import check_event_id
 HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
+EVENT_ID = {"type": "string", "pattern": "^[0-9]{1,20}-[0-9]{1,20}$"}
+
+
+@operation(
+    "The session's events: replayed, then live (server-sent events)",
+    Answer(
+        200,
+        str,
+        "`id:` the event id, `event:` its type, `data:` the envelope (`Event`, or a `MessageDelta` without "
+        "`id:`); a `:` comment line as a heartbeat. The stream does not end by itself.",
+        media="text/event-stream",
+    ),
+    errors={**NOT_FOUND, 400: "`invalid_event_id`", 429: "`too_many_readers` of this session (Retry-After)"},
+    params=(
+        Param("after", EVENT_ID, "Replay after this event id"),
+        Param("Last-Event-ID", EVENT_ID, "As `after` (EventSource sends it); the newer of the two wins", "header"),
+    ),
+)
 async def stream_events(request: Request) -> Response:
     sid = request.path_params["sid"]
     # EventSource reconnects to the same URL with Last-Event-ID: resume from the newer of the two.

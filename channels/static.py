@@ -9,6 +9,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from channels.spec import Answer, operation
+
 HERE = Path(__file__).parent / "static"
 TYPES = {
     ".js": "text/javascript; charset=utf-8",
@@ -35,7 +37,10 @@ def file_route(path: str, file: Path) -> Route:
 
 
 def widget_routes() -> list[Route]:
-    return [file_route("/widget.js", HERE / "widget.js")]
+    widget = file_route("/widget.js", HERE / "widget.js")
+    answer = Answer(200, str, "The browser widget (see the README)", media="text/javascript")
+    operation("The embeddable widget's script", answer, storage=False, tag="static")(widget.endpoint)
+    return [widget]
 
 
 def demo_routes(folder: Path) -> list[Route]:

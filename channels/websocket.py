@@ -24,12 +24,13 @@ import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
 import msgspec
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
+from channels.answers import ErrorDetail, WsError, WsHeartbeat, WsPong
 from channels.limits import Occupancy
+from channels.spec import Answer, Param, operation
 from channels.tokens import TokenSigner
 from channels.types import WsCancel, WsClear, WsCompact, WsFrame, WsMessage, WsPing, WsRespond, ws_frame_decoder
 from harness import Harness
@@ -81,6 +82,19 @@ def origin_allowed(ws: WebSocket, origins: tuple[str, ...]) -> bool:
     return origin in (f"http://{host}", f"https://{host}")
 
 
+@operation(
+    "The session's websocket",
+    Answer(101, None, "Switching protocols: events and frames as `x-websocket` says; closes as the README lists"),
+    params=(
+        Param("after", {"type": "string", "pattern": "^[0-9]{1,20}-[0-9]{1,20}$"}, "Replay after this event id"),
+        Param("token", {"type": "string"}, "A token from `POST .../tokens` (browsers), instead of an API key"),
+    ),
+    websocket=(WsFrame, "WsServerFrame"),
+    description="Close codes: 4401 no valid key or token, 4403 Origin not allowed, 4404 unknown session, "
+    "4400 a bad `after`, 4429 the session's readers or the token's sockets at their bound, "
+    "1009 a frame too large, 1003 a binary frame, 1008 more than 20 bad frames in a row, "
+    "1013 the client stopped reading or storage is briefly unavailable, 1012 the server is shutting down.",
+)
 async def session_socket(ws: WebSocket) -> None:
     harness: Harness = ws.app.state.harness
     config: WsConfig = ws.app.state.ws
@@ -173,7 +187,7 @@ class Connection:
 
     async def _follow(self, after: str) -> None:
         async for event in self.harness.tail(self.sid, after, heartbeat=self.config.heartbeat, gate=self.gate):
-            frame = event.raw if event is not None else _enc.encode({"type": "heartbeat", "at": time.time()})
+            frame = event.raw if event is not None else _enc.encode(WsHeartbeat(time.time()))
             await self._send(frame)
 
     async def _send(self, frame: str | bytes) -> None:
@@ -236,7 +250,7 @@ class Connection:
             case WsClear():
                 await h.clear(sid, owner)
             case WsPing(ref=ref):
-                await self._send(_enc.encode({"type": "pong", "ref": ref}))
+                await self._send(_enc.encode(WsPong(ref)))
 
     async def _error(
         self, code: str, message: str, ref: str | None, *, retry_after: int | None = None, bad: bool = True
@@ -244,10 +258,4 @@ class Connection:
         self.bad += bad
         if self.bad > MAX_BAD_FRAMES:
             raise Closed(1008, "too many bad frames")
-        error: dict[str, Any] = {"code": code, "message": message}
-        if retry_after is not None:
-            error["retry_after"] = retry_after
-        body: dict[str, Any] = {"type": "error", "error": error}
-        if ref is not None:
-            body["ref"] = ref
-        await self._send(_enc.encode(body))
+        await self._send(_enc.encode(WsError(ErrorDetail(code, message, retry_after), ref)))

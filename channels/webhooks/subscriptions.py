@@ -7,14 +7,15 @@ from __future__ import annotations
 
 import base64
 import os
-from typing import Any
 
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from channels.answers import Failure, FailureList, Retried, Webhook, WebhookCreated, WebhookList
 from channels.errors import ChannelError
 from channels.http import decode, harness_of, json_response, owner_of, read_body
+from channels.spec import Answer, operation
 from channels.webhooks.addresses import Refused, check_host, check_url
 from harness.ids import new_id
 from harness.store import DeadLetter, Subscription, new_subscription
@@ -52,20 +53,28 @@ class CreateWebhook(msgspec.Struct, forbid_unknown_fields=True):
 _create = msgspec.json.Decoder(CreateWebhook)
 
 
-def view(sub: Subscription, *, secret: bool = False) -> dict[str, Any]:
-    out: dict[str, Any] = {
-        "id": sub.id,
-        "url": sub.url,
-        "events": sub.events,
-        "description": sub.description,
-        "created_at": sub.created_at,
-        "disabled": sub.disabled or None,
-    }
-    if secret:
-        out["secret"] = sub.secret
-    return out
+def view(sub: Subscription) -> Webhook:
+    return Webhook(sub.id, sub.url, sub.events, sub.description, sub.created_at, sub.disabled or None)
 
 
+NOT_FOUND = {404: "`webhook_not_found`: no such webhook, or another key's"}
+
+
+@operation(
+    "Subscribe a URL to the key's events",
+    Answer(
+        201,
+        WebhookCreated,
+        "The subscription, with its signing secret (shown only here)",
+        provides={"wid": "$response.body#/id"},
+    ),
+    body=CreateWebhook,
+    errors={
+        400: "`invalid_request`, `invalid_json`, `invalid_url`, `invalid_events`",
+        409: "`too_many_webhooks` (20 per key)",
+    },
+    tag="webhooks",
+)
 async def create(request: Request) -> Response:
     body: CreateWebhook = decode(_create, await read_body(request))
     allow_private: bool = request.app.state.webhook_allow_private
@@ -90,12 +99,14 @@ async def create(request: Request) -> Response:
     )
     await harness.hooks.add(sub)
     harness.forget_hooks(owner)
-    return json_response(view(sub, secret=True), 201)
+    created = WebhookCreated(sub.id, sub.url, sub.events, sub.description, sub.created_at, None, sub.secret)
+    return json_response(created, 201)
 
 
+@operation("The key's webhooks", Answer(200, WebhookList, "Every subscription of the key"), tag="webhooks")
 async def listing(request: Request) -> Response:
     subs = await harness_of(request).hooks.of(owner_of(request))
-    return json_response({"webhooks": [view(s) for s in subs]})
+    return json_response(WebhookList([view(s) for s in subs]))
 
 
 async def _mine(request: Request) -> Subscription:
@@ -105,10 +116,12 @@ async def _mine(request: Request) -> Subscription:
     return sub
 
 
+@operation("A webhook", Answer(200, Webhook, "The subscription"), errors=NOT_FOUND, tag="webhooks")
 async def show(request: Request) -> Response:
     return json_response(view(await _mine(request)))
 
 
+@operation("Delete a webhook", Answer(204, None, "Deleted"), errors=NOT_FOUND, tag="webhooks")
 async def delete(request: Request) -> Response:
     sub = await _mine(request)
     harness = harness_of(request)
@@ -117,20 +130,32 @@ async def delete(request: Request) -> Response:
     return Response(status_code=204)
 
 
-def _failure(d: DeadLetter) -> dict[str, Any]:
-    return {"session_id": d.session_id, "event_id": d.event_id, "error": d.error, "at": d.at}
+def _failure(d: DeadLetter) -> Failure:
+    return Failure(d.session_id, d.event_id, d.error, d.at)
 
 
+@operation(
+    "A webhook's failed deliveries (dead letters)",
+    Answer(200, FailureList, "Events it gave up on"),
+    errors=NOT_FOUND,
+    tag="webhooks",
+)
 async def failures(request: Request) -> Response:
     sub = await _mine(request)
     letters = await harness_of(request).dead_letters(sub.destination)
-    return json_response({"failures": [_failure(d) for d in letters]})
+    return json_response(FailureList([_failure(d) for d in letters]))
 
 
+@operation(
+    "Deliver a webhook's failures again",
+    Answer(202, Retried, "How many are queued again"),
+    errors={**NOT_FOUND, 409: "`webhook_disabled`"},
+    tag="webhooks",
+)
 async def retry(request: Request) -> Response:
     sub = await _mine(request)
     if sub.disabled:
         raise ChannelError(409, "webhook_disabled", f"the webhook is disabled ({sub.disabled}): make a new one")
     harness = harness_of(request)
     n = await harness.retry_dead_letters(sub.destination)
-    return json_response({"retried": n}, 202)
+    return json_response(Retried(n), 202)
