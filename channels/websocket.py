@@ -178,12 +178,16 @@ class Connection:
         follower = asyncio.create_task(self._follow(after))
         writer = asyncio.create_task(self._write())
         reader = asyncio.create_task(self._read())
+        tasks = (follower, writer, reader)
         try:
-            done, _ = await asyncio.wait({follower, writer, reader}, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 task.result()  # Closed, WebSocketDisconnect or an error: the socket ends
         finally:
-            await cancel_and_wait((follower, writer, reader))
+            await cancel_and_wait(tasks)
+            for task in tasks:  # the others' endings are read too (one ended it; theirs follow from it)
+                if not task.cancelled():
+                    task.exception()
 
     async def _follow(self, after: str) -> None:
         async for event in self.harness.tail(self.sid, after, heartbeat=self.config.heartbeat, gate=self.gate):

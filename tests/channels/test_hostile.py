@@ -176,3 +176,32 @@ async def test_an_oversized_websocket_handshake_gets_an_answer(serve: Any) -> No
     assert long_line.startswith(b"HTTP/1.1 414 ") and b'"code": "uri_too_long"' in long_line
     big_header = await raw_handshake(live.port, "/v1/sessions/x/ws", "X-Big: " + "b" * 9_000 + "\r\n")
     assert big_header.startswith(b"HTTP/1.1 431 ") and b'"code": "headers_too_large"' in big_header
+
+
+async def test_a_socket_whose_tasks_fail_together_leaves_no_exception_unread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reader, writer and follower ending at once (a burst of frames ending the socket): each
+    one's exception is read, none is logged as "Task exception was never retrieved"."""
+    import gc
+
+    from starlette.websockets import WebSocketDisconnect
+
+    from channels.websocket import Connection
+
+    async def ends(self: Connection, *args: Any) -> None:
+        raise WebSocketDisconnect(1009)
+
+    for name in ("_follow", "_write", "_read"):
+        monkeypatch.setattr(Connection, name, ends)
+    unread: list[dict[str, Any]] = []
+    loop = asyncio.get_running_loop()
+    before = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _, context: unread.append(context))
+    try:
+        conn = Connection.__new__(Connection)
+        with pytest.raises(WebSocketDisconnect):
+            await conn.run("0-0")
+        del conn
+        gc.collect()
+    finally:
+        loop.set_exception_handler(before)
+    assert [c["message"] for c in unread] == []
