@@ -7,6 +7,7 @@ as a heartbeat when nothing happened for a while."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -20,6 +21,13 @@ from harness.service import check_event_id
 HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
+@dataclass
+class SseStats:
+    """This process's event streams (for /metrics)."""
+
+    open: int = 0
+
+
 async def stream_events(request: Request) -> Response:
     sid = request.path_params["sid"]
     # EventSource reconnects to the same URL with Last-Event-ID: resume from the newer of the two.
@@ -28,16 +36,21 @@ async def stream_events(request: Request) -> Response:
     harness = harness_of(request)
     await harness.check_owner(sid, owner_of(request))
     heartbeat: float = request.app.state.sse_heartbeat
+    stats: SseStats = request.app.state.sse_stats
 
     async def body() -> AsyncIterator[bytes]:
-        yield b"retry: 2000\n\n"
-        async for event in harness.tail(sid, after, heartbeat=heartbeat):
-            if event is None:
-                yield b": keep-alive\n\n"
-            elif isinstance(event, LiveEvent):  # transient: no id, so Last-Event-ID stays put
-                yield b"event: %s\ndata: %s\n\n" % (event.type.encode(), event.raw)
-            else:
-                yield b"id: %s\nevent: %s\ndata: %s\n\n" % (event.id.encode(), event.type.encode(), event.raw)
-                failpoints.reached("outbox.after_publish")
+        stats.open += 1
+        try:
+            yield b"retry: 2000\n\n"
+            async for event in harness.tail(sid, after, heartbeat=heartbeat):
+                if event is None:
+                    yield b": keep-alive\n\n"
+                elif isinstance(event, LiveEvent):  # transient: no id, so Last-Event-ID stays put
+                    yield b"event: %s\ndata: %s\n\n" % (event.type.encode(), event.raw)
+                else:
+                    yield b"id: %s\nevent: %s\ndata: %s\n\n" % (event.id.encode(), event.type.encode(), event.raw)
+                    failpoints.reached("outbox.after_publish")
+        finally:
+            stats.open -= 1
 
     return StreamingResponse(body(), media_type="text/event-stream", headers=HEADERS)
