@@ -23,10 +23,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from app.settings import Settings
+from channels.auth import ApiKeyAuth
 from channels.sse import SseStats
 from channels.websocket import WsStats
 from harness import Harness
@@ -133,12 +136,15 @@ class Metrics:
         return Route(PATH, self.endpoint, methods=["GET"])
 
 
-async def serve_worker_metrics(harness: Harness, host: str, port: int, stop: asyncio.Event) -> None:
-    """A worker's /metrics on host:port until `stop` is set."""
+async def serve_worker_metrics(harness: Harness, settings: Settings, stop: asyncio.Event) -> None:
+    """A worker's /metrics on KEEL_HOST:KEEL_METRICS_PORT until `stop` is set (behind the API
+    keys when there are keys, as on the API port)."""
     metrics = Metrics(Sources(lambda: harness))
-    server = uvicorn.Server(
-        uvicorn.Config(Starlette(routes=[metrics.route()]), host=host, port=port, log_config=None, access_log=False)
+    app = Starlette(
+        routes=[metrics.route()], middleware=[Middleware(ApiKeyAuth, keys=settings.api_keys, guarded=[PATH])]
     )
+    config = uvicorn.Config(app, host=settings.host, port=settings.metrics_port, log_config=None, access_log=False)
+    server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve())
     await stop.wait()
     server.should_exit = True

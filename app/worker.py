@@ -27,7 +27,7 @@ async def run(settings: Settings, url: str) -> None:
     log.info("worker running turns")
     if settings.metrics_port:
         log.info("metrics on http://%s:%d/metrics", settings.host, settings.metrics_port)
-        await serve_worker_metrics(harness, settings.host, settings.metrics_port, stop)
+        await serve_worker_metrics(harness, settings, stop)
     else:
         await stop.wait()
     await harness.stop()
