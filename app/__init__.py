@@ -13,11 +13,15 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 
+from app.metrics import PATH as METRICS_PATH
+from app.metrics import Metrics, Sources
 from app.settings import Settings
 from channels.auth import ApiKeyAuth
 from channels.errors import http_error_handler, keel_error_handler
 from channels.limits import Occupancy
+from channels.requestid import RequestIds
 from channels.routes import routes
+from channels.sse import SseStats
 from channels.tokens import TokenSigner
 from channels.webhooks.base import WebhookChannel
 from channels.webhooks.outbound import OutboundWebhooks
@@ -116,10 +120,21 @@ def create_app(
                 await channel.stop()
             await outbound.stop()
 
+    ws_stats, sse_stats = WsStats(), SseStats()
+    metrics = Metrics(Sources(lambda: getattr(app.state, "harness", None), ws=ws_stats, sse=sse_stats))
     app = Starlette(
-        routes=routes(demo_folder=Path(__file__).parent / "static" if settings.demo_page else None, webhooks=hooks),
+        routes=[
+            metrics.route(),
+            *routes(demo_folder=Path(__file__).parent / "static" if settings.demo_page else None, webhooks=hooks),
+        ],
         middleware=[
-            Middleware(ApiKeyAuth, keys=settings.api_keys, open_paths=[p for c in hooks for p, _ in c.routes()])
+            Middleware(RequestIds),
+            Middleware(
+                ApiKeyAuth,
+                keys=settings.api_keys,
+                open_paths=[p for c in hooks for p, _ in c.routes()],
+                guarded=[METRICS_PATH],
+            ),
         ],
         exception_handlers={
             KeelError: keel_error_handler,
@@ -132,7 +147,8 @@ def create_app(
     app.state.webhook_allow_private = settings.webhook_allow_private
     app.state.wait_timeout = settings.wait_timeout
     app.state.sse_heartbeat = settings.sse_heartbeat
-    app.state.ws_stats = WsStats()
+    app.state.ws_stats = ws_stats
+    app.state.sse_stats = sse_stats
     app.state.ws_gate = asyncio.Semaphore(OPENING_AT_ONCE)
     app.state.readers = Occupancy(settings.max_readers, "readers of this session", "too_many_readers")
     app.state.token_sockets = Occupancy(settings.max_token_sockets, "websockets with this token", "too_many_sockets")

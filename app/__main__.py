@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import sys
 from typing import Any
 
@@ -11,6 +12,7 @@ import uvicorn
 
 from app import create_app
 from app.embedded import EmbeddedError, EmbeddedValkey
+from app.logs import configure as configure_logs
 from app.settings import Settings, SettingsError
 from app.wsproto import KeelWebSocketProtocol
 from harness.errors import Unavailable
@@ -37,6 +39,7 @@ def uvicorn_options(settings: Settings) -> dict[str, Any]:
     """How uvicorn serves keel. Websockets: the sans-I/O implementation (flow control on send,
     keepalive pings, 1012 on shutdown), frames refused past the size limit (1009)."""
     return {
+        "log_config": None,  # uvicorn's lines go through keel's handler (format, redaction): app/logs.py
         "log_level": settings.log_level,
         "timeout_graceful_shutdown": 5,
         "ws": KeelWebSocketProtocol,  # websockets-sansio, closing refused messages and handshakes properly
@@ -53,7 +56,7 @@ def main() -> int:
     except SettingsError as exc:
         print(f"keel: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logs(settings, dict(os.environ))
     if not settings.api_keys:
         log.warning("KEEL_API_KEYS is unset: no authentication, serving on loopback only")
     try:

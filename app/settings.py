@@ -96,6 +96,8 @@ class Settings:
     wait_timeout: float = 60.0
     sse_heartbeat: float = 15.0
     log_level: str = "info"
+    log_format: str = "text"
+    metrics_port: int = 0
     ws_max_frame: int = 65_536
     ws_heartbeat: float = 15.0
     ws_send_queue: int = 256
@@ -140,6 +142,8 @@ class Settings:
             wait_timeout=_float(env, "KEEL_WAIT_TIMEOUT", 60.0),
             sse_heartbeat=_float(env, "KEEL_SSE_HEARTBEAT", 15.0),
             log_level=(env.get("KEEL_LOG_LEVEL") or "info").lower(),
+            log_format=(env.get("KEEL_LOG_FORMAT") or "text").lower(),
+            metrics_port=_int(env, "KEEL_METRICS_PORT", 0, low=0),
             ws_max_frame=_int(env, "KEEL_WS_MAX_FRAME", 65_536, low=1024),
             ws_heartbeat=_float(env, "KEEL_WS_HEARTBEAT", 15.0),
             ws_send_queue=_int(env, "KEEL_WS_SEND_QUEUE", 256),
@@ -163,6 +167,8 @@ class Settings:
             max_readers=_int(env, "KEEL_MAX_SESSION_EVENTS_READERS", 32, low=1),
             max_token_sockets=_int(env, "KEEL_MAX_TOKEN_SOCKETS", 8, low=1),
         )
+        if settings.log_format not in ("text", "json"):
+            raise SettingsError(f"KEEL_LOG_FORMAT must be text or json, not {settings.log_format!r}")
         if bool(settings.linear_webhook_secret) != bool(settings.linear_api_key):
             raise SettingsError("the Linear channel needs both LINEAR_WEBHOOK_SECRET and LINEAR_API_KEY")
         if bool(settings.slack_signing_secret) != bool(settings.slack_bot_token):

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import sys
 
 from app import build_harness
 from app.__main__ import prepare
+from app.logs import configure as configure_logs
+from app.metrics import serve_worker_metrics
 from app.settings import Settings, SettingsError
 
 log = logging.getLogger("keel.worker")
@@ -22,7 +25,11 @@ async def run(settings: Settings, url: str) -> None:
         loop.add_signal_handler(sig, stop.set)
     await harness.start()
     log.info("worker running turns")
-    await stop.wait()
+    if settings.metrics_port:
+        log.info("metrics on http://%s:%d/metrics", settings.host, settings.metrics_port)
+        await serve_worker_metrics(harness, settings, stop)
+    else:
+        await stop.wait()
     await harness.stop()
 
 
@@ -31,7 +38,7 @@ def main() -> int:
         settings = Settings.from_env()
         if settings.redis_url is None:
             raise SettingsError("the worker needs REDIS_URL: the embedded Valkey belongs to one web process")
-        logging.basicConfig(level=settings.log_level.upper())
+        configure_logs(settings, dict(os.environ))
         url, _ = prepare(settings)
     except SettingsError as exc:
         print(f"keel worker: {exc}", file=sys.stderr)

@@ -28,8 +28,11 @@ def owner_of(key: str) -> str:
 
 
 class ApiKeyAuth:
-    def __init__(self, app: ASGIApp, keys: Iterable[str], open_paths: Iterable[str] = ()) -> None:
+    def __init__(
+        self, app: ASGIApp, keys: Iterable[str], open_paths: Iterable[str] = (), guarded: Iterable[str] = ()
+    ) -> None:
         self.app = app
+        self._guarded = frozenset(guarded)  # paths outside /v1 that need a key too (/metrics)
         self._digests = [hashlib.sha256(k.encode()).digest() for k in keys if k]
         self._open = frozenset(open_paths)  # webhook routes: the provider's signature is their credential
 
@@ -49,7 +52,11 @@ class ApiKeyAuth:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
-        if scope["type"] not in ("http", "websocket") or not protected(path) or path in self._open:
+        if (
+            scope["type"] not in ("http", "websocket")
+            or not (protected(path) or path in self._guarded)
+            or path in self._open
+        ):
             await self.app(scope, receive, send)
             return
         header = next((v for k, v in scope["headers"] if k == b"authorization"), None)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -21,6 +22,13 @@ from harness.ids import stream_key
 from harness.service import check_event_id
 
 HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+@dataclass
+class SseStats:
+    """This process's event streams (for /metrics)."""
+
+    open: int = 0
 
 
 EVENT_ID = {"type": "string", "pattern": "^[0-9]{1,20}-[0-9]{1,20}$"}
@@ -49,17 +57,22 @@ async def stream_events(request: Request) -> Response:
     harness = harness_of(request)
     await harness.check_owner(sid, owner_of(request))
     heartbeat: float = request.app.state.sse_heartbeat
+    stats: SseStats = request.app.state.sse_stats
 
     async def body() -> AsyncIterator[bytes]:
-        yield b"retry: 2000\n\n"
-        async for event in harness.tail(sid, after, heartbeat=heartbeat):
-            if event is None:
-                yield b": keep-alive\n\n"
-            elif isinstance(event, LiveEvent):  # transient: no id, so Last-Event-ID stays put
-                yield b"event: %s\ndata: %s\n\n" % (event.type.encode(), event.raw)
-            else:
-                yield b"id: %s\nevent: %s\ndata: %s\n\n" % (event.id.encode(), event.type.encode(), event.raw)
-                failpoints.reached("outbox.after_publish")
+        stats.open += 1
+        try:
+            yield b"retry: 2000\n\n"
+            async for event in harness.tail(sid, after, heartbeat=heartbeat):
+                if event is None:
+                    yield b": keep-alive\n\n"
+                elif isinstance(event, LiveEvent):  # transient: no id, so Last-Event-ID stays put
+                    yield b"event: %s\ndata: %s\n\n" % (event.type.encode(), event.raw)
+                else:
+                    yield b"id: %s\nevent: %s\ndata: %s\n\n" % (event.id.encode(), event.type.encode(), event.raw)
+                    failpoints.reached("outbox.after_publish")
+        finally:
+            stats.open -= 1
 
     readers: Occupancy = request.app.state.readers
     readers.take(sid)  # (429 too_many_readers when the session has its fill of them here)

@@ -36,6 +36,7 @@ from channels.types import WsCancel, WsClear, WsCompact, WsFrame, WsMessage, WsP
 from harness import Harness
 from harness.aio import cancel_and_wait
 from harness.errors import InvalidInput, KeelError, Limited, NotFound, Unavailable
+from harness.logcontext import request_id
 from harness.service import check_event_id
 
 log = logging.getLogger("keel.ws")
@@ -173,6 +174,8 @@ class Connection:
         self.gate = gate
         self.queue: asyncio.Queue[str | bytes] = asyncio.Queue(config.send_queue)
         self.bad = 0
+        self.rid = request_id.get() or ""  # the socket's (RequestIds); each frame's is <it>.<n>
+        self.frames = 0
 
     async def run(self, after: str) -> None:
         follower = asyncio.create_task(self._follow(after))
@@ -222,6 +225,8 @@ class Connection:
             await self._handle(text)
 
     async def _handle(self, text: str) -> None:
+        self.frames += 1
+        request_id.set(f"{self.rid}.{self.frames}")
         ref = None
         try:
             frame: WsFrame = ws_frame_decoder.decode(text)

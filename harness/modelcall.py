@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import random
+import time
 from collections.abc import Coroutine
 from typing import TypeVar
 
@@ -19,6 +20,7 @@ from harness import failpoints
 from harness.agent import Agent
 from harness.errors import ModelError
 from harness.events import delta
+from harness.metrics import HarnessStats
 from harness.models.base import ModelReply, ModelRequest, TextDelta
 from harness.outcomes import Live, Publish
 from harness.store import Store
@@ -62,8 +64,10 @@ class ModelCall:
         publish: Publish,
         live: Live | None,
         running: dict[str, ModelCall] | None = None,
+        stats: HarnessStats | None = None,
     ) -> None:
         self.store, self.agent, self.sid, self.turn_id = store, agent, sid, turn_id
+        self.stats = stats or HarnessStats()
         self._publish = publish
         self._live = live
         self._running = running if running is not None else {}  # session -> its call in progress here
@@ -101,13 +105,19 @@ class ModelCall:
             if not counted:
                 await self.store.count_attempt(self.sid)  # before the call: a reply lost in a crash still counts
             counted = False
+            began = time.perf_counter()
             try:
-                return await self._cut_short(self._stream(request, item_id))
+                reply = await self._cut_short(self._stream(request, item_id))
             except Interrupted:
+                self.stats.attempt("interrupted", time.perf_counter() - began)
                 await self._record_failed(step)
                 raise
             except Exception as exc:
                 error = as_model_error(exc)
+                self.stats.attempt(error.code, time.perf_counter() - began)
+            else:
+                self.stats.attempt("ok", time.perf_counter() - began)
+                return reply
             log.warning("session %s turn %s: model attempt failed: %s", self.sid, self.turn_id, error.code)
             await self._record_failed(step)
             if not error.retryable or retry >= self.agent.model_retries:

@@ -11,13 +11,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
+import time
 from collections.abc import Callable
 
 from harness.agent import Agent
 from harness.aio import cancel_and_wait
 from harness.errors import StaleLease
 from harness.ids import stream_key
+from harness.logcontext import session_id, turn_id
+from harness.metrics import HarnessStats
 from harness.modelcall import ModelCall
 from harness.ops import OpRunner
 from harness.outcomes import Final, Live, Publish
@@ -50,7 +54,9 @@ class Runner:
         concurrency: int = 64,
         lease_ms: int = 5_000,
         block_ms: int = 1_000,
+        stats: HarnessStats | None = None,
     ) -> None:
+        self.stats = stats or HarnessStats()
         self.store = store
         self.queue = queue
         self.agent = agent
@@ -205,7 +211,11 @@ class Runner:
         self._start(sid, None)
 
     def _start(self, sid: str, first: Begun | None, *, held: bool = False) -> None:
-        task = asyncio.create_task(self._session(sid, first, held=held), name=f"keel-session-{sid}")
+        # A context of its own: log lines of the session's turns carry its ids, not those of
+        # the request that happened to start it.
+        task = asyncio.create_task(
+            self._session(sid, first, held=held), name=f"keel-session-{sid}", context=contextvars.Context()
+        )
         self._tasks.add(task)
         task.add_done_callback(self._done)
 
@@ -223,6 +233,7 @@ class Runner:
         """Drain the session until no new work arrived meanwhile; then acknowledge its jobs,
         unless the lease went to another runner (which then owns the work, and the jobs stay).
         `held`: the slot was taken already (by `reserve`)."""
+        session_id.set(sid)
         drained = False
         try:
             if not held:
@@ -277,6 +288,8 @@ class Runner:
                 await asyncio.sleep(min(begun.retry_ms, self.lease_ms) / 1000)
                 continue
             fence = begun.fence
+            if begun.took_over:
+                self.stats.lease_takeovers += 1
             if begun.started is not None:
                 self.publish(sid, [begun.started], False)
             self._holding.add(sid)
@@ -292,14 +305,27 @@ class Runner:
 
     async def _run_turn(self, sid: str, begun: Begun) -> bool:
         renewal = Renewal(self.store, sid, begun.fence, self.lease_ms)
+        turn_id.set(begun.message.turn_id)
+        started = time.perf_counter()
         try:
             if begun.message.kind == "message":
-                turn = TurnRunner(self.store, self.agent, sid, begun, self.publish, live=self.live, calls=self.calls)
+                turn = TurnRunner(
+                    self.store,
+                    self.agent,
+                    sid,
+                    begun,
+                    self.publish,
+                    live=self.live,
+                    calls=self.calls,
+                    stats=self.stats,
+                )
                 outcome = await turn.run()
+                self.stats.turn_seconds.observe(time.perf_counter() - started)
             else:
                 outcome = await OpRunner(self.store, self.agent, sid, begun, self.publish).run()
         finally:
             renewal.cancel()
+            turn_id.set(None)
         if not isinstance(outcome, Final):
             await self.store.release(sid, begun.fence)  # paused: not ours to hold (a no-op if already let go)
         return isinstance(outcome, Final) and outcome.more

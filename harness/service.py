@@ -16,12 +16,14 @@ from harness.context import split_context
 from harness.errors import Conflict, InvalidInput, NotFound
 from harness.events import LiveEvent, StoredEvent, decode_data
 from harness.ids import just_before, new_id, stream_key
+from harness.metrics import HarnessStats
 from harness.quotas import RateLimit, RateLimiter
 from harness.relay import Destination, Relay
 from harness.runner import Runner
 from harness.store import (
     DeadLetter,
     Deliveries,
+    Depth,
     EventHub,
     JobQueue,
     Outbox,
@@ -92,6 +94,7 @@ class Harness:
         self.agent = agent
         self.store = Store(redis, retention=retention, max_queued=max_queued)
         self.limiter = RateLimiter(RateBuckets(self.store.wire), rate_limit) if rate_limit is not None else None
+        self.stats = HarnessStats()  # what this process counts (app/metrics.py exposes it)
         self.queue = JobQueue(redis)
         self.runner: Runner | None = None
         self.hub = EventHub(redis, runs_here=self._runs_here, cancelled=self._interrupt)
@@ -114,6 +117,7 @@ class Harness:
                 on_idle=self.hub.poke,
                 concurrency=concurrency,
                 lease_ms=lease_ms,
+                stats=self.stats,
             )
 
     @classmethod
@@ -131,6 +135,7 @@ class Harness:
         return self.runner is not None and self.runner.runs(sid)
 
     def _published(self, sid: str, events: list[StoredEvent], settled: bool) -> None:
+        self.stats.committed(events)
         self.hub.publish(sid, events, settled=settled)
         if settled:
             self._deliver_settled(sid)
@@ -183,6 +188,10 @@ class Harness:
         if self._owns_redis:
             await self.redis.aclose()
 
+    async def queue_depth(self) -> Depth:
+        """The turn job stream's backlog (jobs not done, the oldest's age), read from Redis now."""
+        return await self.queue.depth()
+
     async def ping(self) -> None:
         """Raises `Unavailable` when storage does not answer (readiness)."""
         await self.store.ping()
@@ -198,7 +207,9 @@ class Harness:
     async def create_session(self, owner: str, metadata: dict[str, Any] | None = None) -> str:
         sid = new_id("ses")
         hooks = await self._hooks(owner)
-        self.hub.publish(sid, [await self.store.create(sid, owner, metadata or {}, deliver_to=hooks)])
+        created = [await self.store.create(sid, owner, metadata or {}, deliver_to=hooks)]
+        self.stats.committed(created)
+        self.hub.publish(sid, created)
         return sid
 
     async def submit(
@@ -247,7 +258,7 @@ class Harness:
         duplicate, turn_id, received_id, received = submitted[:4]
         if received is not None:
             made = [submitted.created, received] if submitted.created is not None else [received]
-            self.hub.publish(sid, made, settled=False)
+            self._published(sid, made, False)
         return SubmitResult(
             session_id=sid,
             message_id=message_id,
@@ -296,7 +307,7 @@ class Harness:
         to = [deliver_to] if deliver_to else await self._hooks(owner)
         res = await self.store.respond(sid, owner, request_id, answer, deliver_to=to, look_first=deliver_to is None)
         if res.recorded:
-            self.hub.publish(sid, [res.event] if res.event is not None else [], settled=False)
+            self._published(sid, [res.event] if res.event is not None else [], False)
             failpoints.reached("response.after_accept")
             if res.runnable:
                 await self._wake(sid, res.job_id)

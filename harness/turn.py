@@ -9,6 +9,7 @@ resumes when every request is answered, and runs exactly the stored calls.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from harness import failpoints
@@ -17,6 +18,7 @@ from harness.compaction import Compactor, split
 from harness.errors import CallbackError, ModelError, StaleLease
 from harness.events import event_body
 from harness.ids import new_id
+from harness.metrics import HarnessStats
 from harness.modelcall import Interrupted, ModelCall
 from harness.models.base import ModelReply, ModelRequest
 from harness.models.tokens import request_tokens
@@ -45,8 +47,10 @@ class TurnRunner:
         *,
         live: Live | None = None,
         calls: dict[str, ModelCall] | None = None,
+        stats: HarnessStats | None = None,
     ) -> None:
         self.store = store
+        self.stats = stats or HarnessStats()
         self.agent = agent
         self.sid = sid
         self.begun = begun
@@ -135,7 +139,14 @@ class TurnRunner:
         estimate = request_tokens(request) if self.agent.context_window is not None else None
         item_id = new_id("it")
         call = ModelCall(
-            self.store, self.agent, self.sid, self.turn_id, publish=self._publish, live=self._live, running=self._calls
+            self.store,
+            self.agent,
+            self.sid,
+            self.turn_id,
+            publish=self._publish,
+            live=self._live,
+            running=self._calls,
+            stats=self.stats,
         )
         counted, self.attempt_counted = self.attempt_counted, False
         try:
@@ -293,7 +304,9 @@ class TurnRunner:
                 if call.id != announced and (await self._commit([], self._tool_started([call]), guard=True)).cancel:
                     return Cancel()
                 context = ToolContext(self.sid, self.turn_id, call.id or "")
+                began = time.perf_counter()
                 text, is_error = await run_call(self.agent.tools, call, context)
+                self.stats.tool(call.name if call.name in self.agent.tools else "unknown", time.perf_counter() - began)
                 failpoints.reached("tool.after_run")
             result = result_item(self.turn_id, call, text, is_error=is_error)
             data = {"call_id": call.id, "tool": call.name, "result": text, "is_error": is_error}

@@ -12,6 +12,7 @@ from typing import Any, Literal, Protocol
 import msgspec
 
 from harness.events import StoredEvent
+from harness.metrics import Histogram
 
 
 class Outbound(msgspec.Struct, frozen=True):
@@ -96,6 +97,12 @@ class RelayStats:
     dead: int = 0
     retries: int = 0
     lags: deque[float] = field(default_factory=lambda: deque(maxlen=10_000))
+    lag_seconds: Histogram = field(default_factory=Histogram)  # every delivery's lag (for /metrics)
+
+    def delivered_after(self, lag: float) -> None:
+        self.delivered += 1
+        self.lags.append(lag)
+        self.lag_seconds.observe(lag)
 
     def lag(self, quantile: float) -> float | None:
         """A quantile of the recent commit-to-delivery lags, in seconds (None: no delivery yet)."""

@@ -258,8 +258,7 @@ class Session:
         if cursor is not None:
             self.cursor = self.seen = cursor
         if event is not None and error is None:
-            relay.stats.delivered += 1
-            relay.stats.lags.append(time.time() - int(event.id.split("-")[0]) / 1000)
+            relay.stats.delivered_after(time.time() - int(event.id.split("-")[0]) / 1000)
 
 
 def _turn_of(event: StoredEvent) -> str:

@@ -19,12 +19,12 @@ translation), `types` (what the commands hand back).
 
 from redis.asyncio import Redis
 
-from harness.store.client import connect, reachable
+from harness.store.client import connect, reachable, redis_errors
 from harness.store.deliveries import DeadLetter, Deliveries, DeliveryState, Failing, relay_queue
 from harness.store.hooks import Subscription, Subscriptions, new_subscription
 from harness.store.hub import EventHub, Watch
 from harness.store.outbox import Outbox
-from harness.store.queue import JobQueue
+from harness.store.queue import Depth, JobQueue
 from harness.store.quotas import RateBuckets
 from harness.store.sessions import CommitMode, Store
 from harness.store.types import Begun, Busy, Committed, Responded, Submitted, UsageRecord
@@ -37,6 +37,7 @@ __all__ = [
     "DeadLetter",
     "Deliveries",
     "DeliveryState",
+    "Depth",
     "EventHub",
     "Failing",
     "JobQueue",
@@ -53,5 +54,6 @@ __all__ = [
     "connect",
     "new_subscription",
     "reachable",
+    "redis_errors",
     "relay_queue",
 ]

@@ -22,6 +22,17 @@ from harness.errors import Unavailable
 P = ParamSpec("P")
 T = TypeVar("T")
 MAX_CONNECTIONS = 4096
+_errors = [0]  # Redis failures this process met (one Redis client per process; read by /metrics)
+
+
+def redis_errors() -> int:
+    """How many Redis calls of this process have failed (raised as `Unavailable`, or met by
+    the event poller and the live-event listener) since it started."""
+    return _errors[0]
+
+
+def count_error() -> None:
+    _errors[0] += 1
 
 
 def connect(url: str) -> Redis:
@@ -52,6 +63,7 @@ async def reachable(url: str, timeout: float = 5.0) -> None:
 
 
 def unavailable(exc: BaseException) -> Unavailable:
+    count_error()
     return Unavailable(f"storage is unavailable: {type(exc).__name__}; retry")
 
 

@@ -22,6 +22,7 @@ from redis.asyncio import Redis
 from harness.aio import cancel_and_wait
 from harness.events import LiveEvent, StoredEvent
 from harness.ids import stream_key
+from harness.store.client import count_error
 from harness.store.keys import SessionKeys, session_of
 from harness.store.live import LiveRelay
 
@@ -266,5 +267,6 @@ class EventHub:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # Redis away: keep serving local notifications, retry
+                count_error()
                 log.warning("event poller: %s; retrying", exc)
                 await asyncio.sleep(1.0)

@@ -22,6 +22,7 @@ from redis.asyncio import Redis
 
 from harness.aio import cancel_and_wait
 from harness.events import LiveEvent, live_event
+from harness.store.client import count_error
 from harness.store.keys import CANCELS, SessionKeys, session_of
 
 log = logging.getLogger("keel.live")
@@ -94,6 +95,7 @@ class LiveRelay:
                 try:
                     await self._publish(batch)
                 except Exception as exc:  # Redis away: those live events are lost, as documented
+                    count_error()
                     log.warning("live events not published: %s", type(exc).__name__)
                 finally:
                     if self._sending is not None and not self._sending.done():
@@ -143,6 +145,7 @@ class LiveRelay:
         try:
             await self._pubsub.subscribe(*channels)
         except Exception as exc:  # Redis away: the listener subscribes again when it is back
+            count_error()
             log.warning("live events: subscribing failed: %s", type(exc).__name__)
 
     async def _listen(self) -> None:
@@ -175,6 +178,7 @@ class LiveRelay:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
+                count_error()
                 log.warning("live events: %s; subscribing again in %ss", type(exc).__name__, RETRY_S)
                 await asyncio.sleep(RETRY_S)
                 await self._subscribe([CANCELS, *(SessionKeys(s).live for s in self._readers)])

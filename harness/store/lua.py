@@ -16,7 +16,8 @@ turn in progress), turn_start, hist_start (where the turn's items and the active
 the history list), u_in/u_out/u_cached/u_cwrite/u_calls (usage), last_in/last_est (the provider-reported
 input tokens of the last turn call and keel's estimate of that request, for compaction),
 waiting_on (the request ids the paused turn waits for), undecided (how many of them are
-unanswered), cancel (the turn a cancel was asked for).
+unanswered), cancel (the turn a cancel was asked for), held (1 while a runner runs the turn in
+progress: a BEGIN that finds it so took the turn over from a lapsed lease).
 
 The inbox holds user messages and, queued among them, manual compact and clear entries (`kind`);
 the current turn is always the inbox head.
@@ -117,7 +118,7 @@ return reply({tag = 'ok'})
 _BEGIN_TURN = """
 local function begin_turn(B)
   local meta = redis.call('HMGET', K.meta, 'owner', 'cancel', 'status', 'undecided', 'turn', 'hist_start',
-    'turn_start', 'waiting_on', 'last_in', 'last_est')
+    'turn_start', 'waiting_on', 'last_in', 'last_est', 'held')
   if not meta[1] then return {tag = 'missing'} end
   local head = redis.call('LINDEX', K.inbox, 0)
   if not head then return {tag = 'empty'} end
@@ -130,7 +131,9 @@ local function begin_turn(B)
   if holder and holder ~= B.fence then return {tag = 'busy', retry_ms = redis.call('PTTL', K.lease)} end
   local fence = redis.call('HINCRBY', K.meta, 'fence', 1)
   redis.call('SET', K.lease, fence, 'PX', B.lease_ms)
-  local out = {tag = 'ok', fence = fence, head = head, cancel = cancel}
+  -- the turn in progress was held by a runner that never paused or ended it: its lease lapsed
+  local out = {tag = 'ok', fence = fence, head = head, cancel = cancel,
+    took_over = meta[5] == m.turn_id and meta[11] == '1'}
   local kind = m.kind or 'message'
   local length = redis.call('LLEN', K.history)
   local turn_start = tonumber(meta[7])
@@ -144,7 +147,7 @@ local function begin_turn(B)
     end
     turn_start, waiting_on = length, ''
     redis.call('HSET', K.meta, 'turn', m.turn_id, 'turn_start', turn_start, 'status', 'running',
-      'waiting_on', '', 'undecided', 0)
+      'waiting_on', '', 'undecided', 0, 'held', 1)
     local started = nil
     if kind == 'message' then
       started = {'turn.started', '{"message_id":' .. cjson.encode(m.message_id) .. '}'}
@@ -158,7 +161,7 @@ local function begin_turn(B)
       out.started_seq = last_seq
     end
   else
-    redis.call('HSET', K.meta, 'status', 'running')
+    redis.call('HSET', K.meta, 'status', 'running', 'held', 1)
   end
   local start = tonumber(meta[6])
   local from = start
@@ -270,14 +273,15 @@ local out = {tag = 'ok', ids = ids, length = length, cancel = cancel, first_seq 
 if A.mode == 'pause' then
   redis.call('HSET', K.meta, 'waiting_on', table.concat(A.waiting_on, ' '), 'undecided', #A.waiting_on)
   if not cancel then
-    redis.call('HSET', K.meta, 'status', 'waiting')
+    redis.call('HSET', K.meta, 'status', 'waiting', 'held', 0)
     redis.call('DEL', K.lease)
     out.tag = 'paused'
   end
 elseif A.mode == 'final' then
   redis.call('LPOP', K.inbox)
   local left = redis.call('LLEN', K.inbox)
-  redis.call('HSET', K.meta, 'turn', '', 'status', left > 0 and 'running' or 'idle', 'waiting_on', '', 'undecided', 0)
+  redis.call('HSET', K.meta, 'turn', '', 'status', left > 0 and 'running' or 'idle', 'waiting_on', '', 'undecided', 0,
+    'held', 0)
   if cancel then redis.call('HSET', K.meta, 'cancel', '') end
   out.cancel = false
   out.tag = 'more'

@@ -109,6 +109,7 @@ class Began(Reply, tag="ok"):
     decisions: list[tuple[str, str]] = []  # the paused step's requests in order, their answers ("" = none)
     last_in: int = 0
     last_est: int = 0
+    took_over: bool = False  # the turn was in progress under a lease that lapsed
 
 
 class LeaseTaken(Reply, tag="busy"):

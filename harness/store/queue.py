@@ -6,13 +6,22 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Any
+import time
+from typing import Any, NamedTuple
 
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from harness.store.client import translated
 from harness.store.keys import JOBS, JOBS_GROUP
+
+
+class Depth(NamedTuple):
+    """The job stream now: jobs not yet done (unread, or read and not acknowledged), and the
+    age of the oldest of them in seconds (0 with none)."""
+
+    jobs: int
+    oldest_s: float
 
 
 def consumer_name() -> str:
@@ -78,6 +87,18 @@ class JobQueue:
         self._claim_from = claimed[0].decode()  # next call goes on from here ("0-0": round again)
         entries = claimed[1]
         return [(jid.decode(), fields[b"s"].decode()) for jid, fields in entries if fields]
+
+    @translated
+    async def depth(self) -> Depth:
+        """Read at scrape time (a job is deleted when done, so the stream holds the rest)."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.xlen(self.stream)
+            pipe.xrange(self.stream, count=1)
+            length, first = await pipe.execute()
+        if not first:
+            return Depth(int(length), 0.0)
+        ms = int(first[0][0].split(b"-")[0])
+        return Depth(int(length), max(0.0, time.time() - ms / 1000))
 
     @translated
     async def done(self, *job_ids: str) -> None:

@@ -272,6 +272,7 @@ class Store:
             last_in=res.last_in,
             last_est=res.last_est,
             started=started,
+            took_over=res.took_over,
         )
 
     @translated

@@ -25,6 +25,7 @@ class Begun(msgspec.Struct, frozen=True):
     last_in: int = 0  # provider-reported input tokens of the session's last turn call (0: none)
     last_est: int = 0  # keel's estimate of that same request
     started: StoredEvent | None = None  # the event `started_id` names
+    took_over: bool = False  # resumed from a runner whose lease lapsed (a crash, a stall)
 
 
 class Submitted(NamedTuple):

@@ -34,6 +34,8 @@ async def test_a_lost_lease_mid_turn_is_recovered_from_the_last_commit(make_harn
     assert turn.status == "completed" and turn.reply == "done: charged 5"
     assert len(keys_seen) == 2 and keys_seen[0] == keys_seen[1]  # re-run with the same idempotency key
     assert len(model.requests) == 2  # the committed first step was not recomputed
+    assert h.stats.lease_takeovers == 1  # (keel_lease_takeovers_total)
+    assert h.stats.turns == {"completed": 1}
     history = await h.history(sid, "anon")
     assert [(i.role, i.text) for i in history] == [
         ("user", "pay"),

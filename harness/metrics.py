@@ -1,0 +1,86 @@
+"""What the harness counts for operators: plain counters and latency histograms in memory.
+
+The harness stays free of any metrics library: a turn's path pays a dict increment or a
+`bisect` into a short tuple, never a lock, a label lookup or a registry. The app exposes these
+objects in Prometheus' text format through a collector that reads them when /metrics is scraped
+(`app/metrics.py`), so each app or worker has its own registry and nothing here is global.
+(An observer the harness would call was the other choice; it would put a call into the app on
+every event of every turn, for numbers only a scrape reads.)
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from harness.events import StoredEvent
+
+# seconds: a turn of a zero-latency model takes about a millisecond, a real one seconds
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+# a turn's last committed event says how it came out ("waiting": it asked for approval)
+OUTCOMES = {
+    "turn.completed": "completed",
+    "turn.failed": "failed",
+    "turn.cancelled": "cancelled",
+    "input.requested": "waiting",
+}
+
+
+class Histogram:
+    """Observations counted per bucket (upper bounds, the last one +Inf), with their sum."""
+
+    __slots__ = ("bounds", "counts", "total")
+
+    def __init__(self, bounds: tuple[float, ...] = LATENCY_BUCKETS) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.total = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.total += value
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        """(upper bound, observations at or below it), as Prometheus wants them, +Inf last."""
+        out: list[tuple[str, int]] = []
+        running = 0
+        for bound, n in zip((*map(repr, self.bounds), "+Inf"), self.counts, strict=True):
+            running += n
+            out.append((bound, running))
+        return out
+
+
+@dataclass
+class HarnessStats:
+    """Counted by this process's harness since it started."""
+
+    turns: dict[str, int] = field(default_factory=dict)  # outcome -> turns that came to it here
+    events: dict[str, int] = field(default_factory=dict)  # event type -> committed by this process
+    turn_seconds: Histogram = field(default_factory=Histogram)  # a turn's run here, begin to settle or pause
+    model_seconds: Histogram = field(default_factory=Histogram)  # one model attempt
+    model_attempts: dict[str, int] = field(default_factory=dict)  # "ok", "interrupted" or the error code
+    tool_seconds: dict[str, Histogram] = field(default_factory=dict)  # tool name -> its runs
+    lease_takeovers: int = 0  # turns this process resumed from a runner whose lease lapsed
+
+    def committed(self, events: list[StoredEvent]) -> None:
+        counts = self.events
+        for event in events:
+            etype = event.type
+            counts[etype] = counts.get(etype, 0) + 1
+            outcome = OUTCOMES.get(etype)
+            if outcome is not None:
+                self.turns[outcome] = self.turns.get(outcome, 0) + 1
+
+    def attempt(self, outcome: str, seconds: float) -> None:
+        self.model_attempts[outcome] = self.model_attempts.get(outcome, 0) + 1
+        self.model_seconds.observe(seconds)
+
+    def tool(self, name: str, seconds: float) -> None:
+        histogram = self.tool_seconds.get(name)
+        if histogram is None:
+            histogram = self.tool_seconds[name] = Histogram()
+        histogram.observe(seconds)
