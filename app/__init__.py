@@ -63,6 +63,7 @@ def build_harness(
         lease_ms=settings.lease_ms,
         concurrency=settings.runner_concurrency,
         rate_limit=settings.rate_limit,
+        token_rate=settings.token_rate,
         max_queued=settings.max_queued,
     )
 

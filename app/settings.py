@@ -59,9 +59,9 @@ def _url(env: dict[str, str], name: str, default: str, *, slash: bool = True) ->
     return raw + "/" if slash and not raw.endswith("/") else raw
 
 
-def _rate(env: dict[str, str], name: str) -> RateLimit | None:
-    raw = env.get(name, "").strip()
-    if not raw or raw.lower() == "off":
+def _rate(env: dict[str, str], name: str, default: str = "off") -> RateLimit | None:
+    raw = env.get(name, "").strip() or default
+    if raw.lower() == "off":
         return None
     try:
         return RateLimit.parse(raw)
@@ -76,6 +76,9 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+TOKENS_PER_SESSION = RateLimit(60, 60)
 
 
 @dataclass(frozen=True)
@@ -117,6 +120,7 @@ class Settings:
     webhook_retry_hours: float = 24.0
     webhook_timeout: float = 15.0
     rate_limit: RateLimit | None = None  # per API key: sessions, messages, compactions, tokens
+    token_rate: RateLimit | None = TOKENS_PER_SESSION  # browser tokens minted per session
     max_queued: int = 100  # messages waiting behind a session's current turn
     max_readers: int = 32  # SSE streams and websockets on one session, per process
     max_token_sockets: int = 8  # websockets opened with one session token, per process
@@ -163,6 +167,7 @@ class Settings:
             webhook_timeout=_float(env, "KEEL_WEBHOOK_TIMEOUT_S", 15.0),
             slack_approvers=frozenset(u.strip() for u in env.get("KEEL_SLACK_APPROVERS", "").split(",") if u.strip()),
             rate_limit=_rate(env, "KEEL_RATE_LIMIT"),
+            token_rate=_rate(env, "KEEL_TOKEN_RATE_LIMIT", str(TOKENS_PER_SESSION)),
             max_queued=_int(env, "KEEL_MAX_QUEUED", 100, low=1),
             max_readers=_int(env, "KEEL_MAX_SESSION_EVENTS_READERS", 32, low=1),
             max_token_sockets=_int(env, "KEEL_MAX_TOKEN_SOCKETS", 8, low=1),

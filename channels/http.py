@@ -239,15 +239,20 @@ async def _operation(request: Request, kind: Literal["compact", "clear"]) -> Res
     Answer(201, SessionToken, "A short-lived token for `?token=` on this session's websocket"),
     body=Empty,
     body_optional=True,
-    errors={**NOT_FOUND, **RATED},
+    errors={
+        **NOT_FOUND,
+        429: "`rate_limited`: past `KEEL_RATE_LIMIT` for this key or `KEEL_TOKEN_RATE_LIMIT` for this session",
+    },
 )
 async def mint_token(request: Request) -> Response:
     """A short-lived token for a browser to open this session's websocket with (`?token=`)."""
     sid = request.path_params["sid"]
     decode(empty_decoder, await read_body(request), empty_ok=True)
     owner = owner_of(request)
-    await harness_of(request).check_owner(sid, owner)
-    await harness_of(request).admit(owner)
+    harness = harness_of(request)
+    await harness.check_owner(sid, owner)
+    await harness.admit(owner)
+    await harness.admit_token(sid)
     token, expires_at = request.app.state.tokens.mint(sid, owner)
     return json_response(SessionToken(token, expires_at), 201)
 

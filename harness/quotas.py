@@ -46,16 +46,18 @@ class RateLimit:
 
 
 class RateLimiter:
-    def __init__(self, buckets: RateBuckets, limit: RateLimit) -> None:
-        self.buckets, self.limit = buckets, limit
+    """A rate limit over buckets in Redis, one per key (an API key's owner, a session)."""
 
-    async def admit(self, owner: str) -> None:
-        """Take one of `owner`'s tokens, or raise Limited (`rate_limited`, with when to retry)."""
-        wait_ms = await self.buckets.take(owner, self.limit.count, self.limit.period_s * 1000)
+    def __init__(self, buckets: RateBuckets, limit: RateLimit, what: str) -> None:
+        self.buckets, self.limit, self.what = buckets, limit, what
+
+    async def admit(self, key: str) -> None:
+        """Take one of `key`'s tokens, or raise Limited (`rate_limited`, with when to retry)."""
+        wait_ms = await self.buckets.take(key, self.limit.count, self.limit.period_s * 1000)
         if wait_ms:
             after = max(1, math.ceil(wait_ms / 1000))
             raise Limited(
-                f"over the rate limit of {self.limit} for this API key; try again in {after} s",
+                f"over the rate limit of {self.limit} {self.what}; try again in {after} s",
                 code="rate_limited",
                 retry_after=after,
             )

@@ -88,12 +88,15 @@ class Harness:
         lease_ms: int = 5_000,
         concurrency: int = 64,
         rate_limit: RateLimit | None = None,
+        token_rate: RateLimit | None = None,
         max_queued: int = 0,
     ) -> None:
         self.redis = redis
         self.agent = agent
         self.store = Store(redis, retention=retention, max_queued=max_queued)
-        self.limiter = RateLimiter(RateBuckets(self.store.wire), rate_limit) if rate_limit is not None else None
+        buckets = RateBuckets(self.store.wire)
+        self.limiter = RateLimiter(buckets, rate_limit, "for this API key") if rate_limit is not None else None
+        self.token_limiter = RateLimiter(buckets, token_rate, "for this session's tokens") if token_rate else None
         self.stats = HarnessStats()  # what this process counts (app/metrics.py exposes it)
         self.queue = JobQueue(redis)
         self.runner: Runner | None = None
@@ -203,6 +206,13 @@ class Harness:
         rate limit, if there is one: Limited (`rate_limited`) past it. One round trip."""
         if self.limiter is not None:
             await self.limiter.admit(owner)
+
+    async def admit_token(self, sid: str) -> None:
+        """Count one browser token minted for session `sid` against its own limit (on by
+        default: a token is a credential, and minting them needs no more than a page load's
+        worth). Limited past it."""
+        if self.token_limiter is not None:
+            await self.token_limiter.admit(f"tokens:{sid}")
 
     async def create_session(self, owner: str, metadata: dict[str, Any] | None = None) -> str:
         sid = new_id("ses")

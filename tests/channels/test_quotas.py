@@ -142,3 +142,20 @@ async def test_websockets_per_token_are_bounded(serve: Any) -> None:
             await keyed.send(json.dumps({"type": "ping", "ref": "k"}))  # a key is not a token: not counted
             while json.loads(await asyncio.wait_for(keyed.recv(), 5)).get("type") != "pong":
                 pass
+
+
+async def test_token_minting_is_limited_per_session_by_default(serve: Any) -> None:
+    live = await serve(echo_agent(), token_rate=RateLimit(3, 3600))  # (the default is 60/min)
+    async with live.client() as c:
+        sid = (await c.post("/v1/sessions")).json()["session_id"]
+        other = (await c.post("/v1/sessions")).json()["session_id"]
+        for _ in range(3):
+            assert (await c.post(f"/v1/sessions/{sid}/tokens")).status_code == 201
+        over = await c.post(f"/v1/sessions/{sid}/tokens")
+        assert over.status_code == 429 and over.json()["error"]["code"] == "rate_limited"
+        assert int(over.headers["retry-after"]) >= 1
+        assert (await c.post(f"/v1/sessions/{other}/tokens")).status_code == 201  # per session
+    from app.settings import Settings
+
+    assert str(Settings().token_rate) == "60/min" and Settings.from_env({}).token_rate == Settings().token_rate
+    assert Settings.from_env({"KEEL_TOKEN_RATE_LIMIT": "off"}).token_rate is None
