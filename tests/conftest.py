@@ -148,7 +148,11 @@ class LiveServer:
     async def stop(self) -> None:
         self.server.should_exit = True
         if self.task is not None:
-            await asyncio.wait_for(self.task, 10)
+            done, _ = await asyncio.wait([self.task], timeout=10)
+            if not done:  # say where it is stuck: every task's stack
+                stacks = "\n".join(f"{t.get_name()}: {t.get_stack(limit=8)}" for t in asyncio.all_tasks())
+                self.task.cancel()
+                raise TimeoutError(f"keel did not stop within 10 s; tasks:\n{stacks}")
 
     def client(self, key: str | None = None) -> httpx.AsyncClient:
         headers = {"Authorization": f"Bearer {key}"} if key else {}

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from harness import failpoints
+from harness.aio import cancel_and_wait
 from harness.events import StoredEvent, decode_data
 from harness.ids import just_before
 from harness.relay.destination import Destination, Outbound, Undeliverable
@@ -104,9 +105,7 @@ class Session:
                 raise LeaseLost from None
             raise
         finally:
-            keeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await keeper
+            await cancel_and_wait([keeper])
 
     async def recover(self) -> None:
         """Refs left in doubt by a relay that died: learn which posts were made (kept ones are
