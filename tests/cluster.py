@@ -83,7 +83,8 @@ class ValkeyCluster:
             node_dir = os.path.join(self.dir, str(port))
             os.makedirs(node_dir)
             args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", node_dir]
-            args += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "2000"]
+            args += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
+            args += ["--cluster-node-timeout", "2000"]
             args += ["--cluster-port", str(self.bus[port])]  # (the default, port + 10000, may be taken or past 65535)
             args += ["--appendonly", "yes", "--save", "", "--logfile", os.path.join(node_dir, "valkey.log")]
             self.procs.append(subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
