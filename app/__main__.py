@@ -29,9 +29,11 @@ def prepare(settings: Settings) -> tuple[str, EmbeddedValkey | None]:
         log.info("embedded Valkey at %s, data in %s", url, embedded.data_dir)
         return url, embedded
     try:
-        asyncio.run(reachable(settings.redis_url))
+        cluster = asyncio.run(reachable(settings.redis_url))
     except Unavailable as exc:
         raise SettingsError(f"REDIS_URL is not reachable: {exc.message}") from None
+    if cluster:  # (each script would meet MOVED from the nodes that do not own its session's slot)
+        raise SettingsError("REDIS_URL is a Redis Cluster node: keel does not run on a cluster yet; use one server")
     return settings.redis_url, None
 
 

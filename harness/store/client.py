@@ -50,12 +50,15 @@ def connect(url: str) -> Redis:
     return Redis.from_pool(pool)
 
 
-async def reachable(url: str, timeout: float = 5.0) -> None:
-    """Whether a Redis answers at `url`: returns, or raises `Unavailable` saying why."""
+async def reachable(url: str, timeout: float = 5.0) -> bool:
+    """Whether a Redis answers at `url`: whether it is a Redis Cluster node, or `Unavailable`
+    saying why not."""
     client = connect(url)
     try:
         async with asyncio.timeout(timeout):
             await client.ping()
+            info = await client.info("cluster")
+            return bool(info.get("cluster_enabled"))
     except (RedisError, OSError) as exc:
         raise Unavailable(f"{type(exc).__name__}: {exc}") from exc
     finally:

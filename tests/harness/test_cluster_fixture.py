@@ -4,8 +4,12 @@ from one node's URL; a session's keys share one slot, and sessions spread over t
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections import Counter
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from redis.asyncio.cluster import RedisCluster
@@ -52,3 +56,15 @@ def test_all_keys_of_a_session_share_one_slot() -> None:
         keys = SessionKeys(new_id("ses"))
         names = [getattr(keys, k) for k in keys.__slots__ if k != "sid"]
         assert len({key_slot(n.encode()) for n in names}) == 1, names
+
+
+def test_keel_pointed_at_a_cluster_says_so_in_one_line(cluster: ValkeyCluster, tmp_path: Path) -> None:
+    """Until keel runs on a cluster (issue 15), a cluster URL is refused at start, plainly."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KEEL_", "REDIS_URL"))}
+    env |= {"REDIS_URL": cluster.url, "KEEL_DATA_DIR": str(tmp_path), "KEEL_PORT": "0"}
+    for module in ("app", "app.worker"):
+        r = subprocess.run(
+            [sys.executable, "-m", module], check=False, env=env, capture_output=True, text=True, timeout=30
+        )
+        assert r.returncode != 0
+        assert "REDIS_URL is a Redis Cluster node" in r.stderr and "Traceback" not in r.stderr, r.stderr
