@@ -20,7 +20,7 @@ from starlette.routing import BaseRoute, Route, WebSocketRoute
 from channels.answers import ErrorEnvelope, MessageDelta, WsError, WsHeartbeat, WsPong
 from channels.auth import protected
 from channels.spec import Answer, Operation, operation, operation_of
-from harness.service import SESSION_ID
+from harness.reads import SESSION_ID
 from harness.types import Event
 
 REF = "#/components/schemas/{name}"

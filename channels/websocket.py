@@ -37,7 +37,7 @@ from harness import Harness
 from harness.aio import cancel_and_wait
 from harness.errors import InvalidInput, KeelError, Limited, NotFound, Unavailable
 from harness.logcontext import request_id
-from harness.service import check_event_id
+from harness.reads import check_event_id
 
 log = logging.getLogger("keel.ws")
 _enc = msgspec.json.Encoder()
@@ -105,8 +105,7 @@ async def session_socket(ws: WebSocket) -> None:
     stats.open += 1
     try:
         async with gate:  # a thousand sockets opening at once take turns at Redis
-            sid, owner, after = await _admit(ws, harness, config, ws.app.state.tokens)
-        token = ws.query_params.get("token") if ws.scope.get("state", {}).get("owner") is None else None
+            sid, owner, after, token = await _admit(ws, harness, config, ws.app.state.tokens)
         with _held(ws.app.state.readers, sid), _held(ws.app.state.token_sockets, token):
             await Connection(ws, harness, config, sid, owner, gate=gate).run(after)
     except Unavailable as exc:  # storage gone for a moment: the client reconnects after its last event
@@ -143,13 +142,17 @@ async def _close(ws: WebSocket, stats: WsStats, closed: Closed) -> None:
             await ws.close(closed.code, closed.reason)
 
 
-async def _admit(ws: WebSocket, harness: Harness, config: WsConfig, tokens: TokenSigner) -> tuple[str, str, str]:
+async def _admit(
+    ws: WebSocket, harness: Harness, config: WsConfig, tokens: TokenSigner
+) -> tuple[str, str, str, str | None]:
+    """The session, its owner, where to resume, and the browser token the socket opened with
+    (None with an API key)."""
     sid = ws.path_params["sid"]
     if not origin_allowed(ws, config.origins):
         raise Closed(4403, "origin not allowed")
     owner: str | None = ws.scope.get("state", {}).get("owner")
-    token = ws.query_params.get("token")
-    if owner is None and token is not None:
+    token = ws.query_params.get("token") if owner is None else None
+    if token is not None:
         owner = tokens.verify(token, sid)
     if owner is None:
         raise Closed(4401, "unauthorized")
@@ -160,7 +163,7 @@ async def _admit(ws: WebSocket, harness: Harness, config: WsConfig, tokens: Toke
         raise Closed(4404, exc.message) from None
     except InvalidInput as exc:
         raise Closed(4400, exc.message) from None
-    return sid, owner, after
+    return sid, owner, after, token
 
 
 class Connection:

@@ -6,18 +6,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 from harness import failpoints
 from harness.agent import Agent
 from harness.context import split_context
 from harness.errors import Conflict, InvalidInput, NotFound
-from harness.events import LiveEvent, StoredEvent, decode_data
-from harness.ids import just_before, new_id, stream_key
+from harness.events import StoredEvent
+from harness.hooktargets import HookTargets
+from harness.ids import just_before, new_id
 from harness.metrics import HarnessStats
 from harness.quotas import RateLimit, RateLimiter
+from harness.reads import SessionReads, check_session_id
 from harness.relay import Destination, Relay
 from harness.runner import Runner
 from harness.store import (
@@ -33,51 +33,24 @@ from harness.store import (
     Store,
     Submitted,
     Subscriptions,
-    Watch,
     connect,
 )
 from harness.types import (
     Answer,
     EntryKind,
     InboxMessage,
-    Item,
     PageContext,
-    SessionInfo,
-    SessionStatus,
     SubmitResult,
     TurnResult,
 )
+from harness.waiting import collect_turn
 
 log = logging.getLogger("keel")
-SESSION_ID = re.compile(r"^ses_[0-9a-z]{26}$")
-EVENT_ID = re.compile(r"^[0-9]{1,20}-[0-9]{1,20}$")  # ASCII digits only (\d takes any script's)
 MESSAGE_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
-TERMINAL = {
-    "turn.completed": "completed",
-    "turn.failed": "failed",
-    "turn.cancelled": "cancelled",
-    "input.requested": "waiting",
-}
 MAX_REASON = 2_000
-HOOKS_TTL_S = 1.0
 
 
-def check_session_id(sid: str) -> str:
-    if not SESSION_ID.match(sid):
-        raise NotFound(f"no session {sid[:64]}", code="session_not_found")
-    return sid
-
-
-def check_event_id(eid: str) -> str:
-    """A stream id a client may resume after: `<ms>-<seq>`, both below 2**64, not the last."""
-    if EVENT_ID.match(eid):
-        ms, seq = stream_key(eid)
-        if ms < 2**64 and seq < 2**64 and (ms, seq) != (2**64 - 1, 2**64 - 1):
-            return eid
-    raise InvalidInput("an event id looks like 1700000000000-0", code="invalid_event_id")
-
-
-class Harness:
+class Harness(SessionReads):
     def __init__(
         self,
         redis: Redis,
@@ -106,9 +79,8 @@ class Harness:
         self.lease_ms = lease_ms
         self.relay: Relay | None = None
         self.hooks = Subscriptions(redis)
+        self.targets = HookTargets(self.hooks)
         self.deliveries = Deliveries(redis)
-        self._hook_cache: dict[str, tuple[float, list[str]]] = {}
-        self._hook_version: dict[str, int] = {}  # bumped when this process changes an owner's hooks
         self._tasks: set[asyncio.Task[None]] = set()
         if run_turns:
             self.runner = Runner(
@@ -150,8 +122,7 @@ class Harness:
         owner = self.store.owner_known(sid)
         if owner is None:
             return  # (a session this process never wrote for: its writer queued the jobs)
-        cached = self._hook_cache.get(owner)
-        if cached is not None and cached[0] > time.monotonic() and not cached[1]:
+        if self.targets.known_none(owner):
             return
         task = asyncio.get_running_loop().create_task(self._queue_hooks(sid, owner))
         self._tasks.add(task)
@@ -373,26 +344,11 @@ class Harness:
     # ---- outbound event webhooks ---------------------------------------------------------
 
     async def _hooks(self, owner: str) -> list[str]:
-        """The relay destinations of the owner's active webhook subscriptions (an API key's: a
-        webhook channel's sessions, which it names the destination of, have none; read at most
-        once a second per owner and process: a subscription made in another process delivers
-        from a second after it was made at the latest)."""
-        now = time.monotonic()
-        cached = self._hook_cache.get(owner)
-        if cached is not None and cached[0] > now:
-            return cached[1]
-        version = self._hook_version.get(owner, 0)
-        destinations = [s.destination for s in await self.hooks.of(owner) if not s.disabled]
-        if self._hook_version.get(owner, 0) == version:  # (not changed here while it was read)
-            if len(self._hook_cache) >= 10_000:
-                self._hook_cache.clear()
-            self._hook_cache[owner] = (now + HOOKS_TTL_S, destinations)
-        return destinations
+        return await self.targets.of(owner)
 
     def forget_hooks(self, owner: str) -> None:
         """The owner's subscriptions changed (in this process): read them again."""
-        self._hook_cache.pop(owner, None)
-        self._hook_version[owner] = self._hook_version.get(owner, 0) + 1
+        self.targets.forget(owner)
 
     async def dead_letters(self, destination: str) -> list[DeadLetter]:
         return await self.deliveries.dead(destination)
@@ -408,68 +364,13 @@ class Harness:
         if self.runner is not None:
             self.runner.kick(sid, job_id)
 
-    # ---- reads -------------------------------------------------------------------------
-
-    async def session(self, sid: str, owner: str) -> SessionInfo:
-        check_session_id(sid)
-        meta = await self.store.meta(sid, owner)
-        # the inbox's head is the turn in progress (running or paused) while `turn` names it:
-        # queued counts the messages behind it
-        queued = max(0, await self.store.queued(sid) - (1 if meta.get("turn") else 0))
-        pending = [
-            {"request_id": r.request_id, "tool": r.tool, "arguments": r.arguments}
-            for r in await self.store.open_requests(sid, meta)
-        ]
-        usage = {
-            "input_tokens": int(meta.get("u_in", 0)),
-            "output_tokens": int(meta.get("u_out", 0)),
-            "cached_tokens": int(meta.get("u_cached", 0)),
-            "cache_write_tokens": int(meta.get("u_cwrite", 0)),
-            "model_calls": int(meta.get("u_calls", 0)),
-        }
-        status: SessionStatus = meta["status"]  # type: ignore[assignment]
-        return SessionInfo(
-            session_id=sid,
-            status=status,
-            pending=pending,
-            queued=queued,
-            usage=usage,
-            metadata=decode_data(meta["metadata"].encode()),
-            created_at=float(meta["created_at"]),
-        )
-
-    async def pending(self, sid: str, owner: str) -> list[str]:
-        """The ids of the approval requests the session waits for, in the order they were made."""
-        check_session_id(sid)
-        meta = await self.store.meta(sid, owner)
-        return [r.request_id for r in await self.store.open_requests(sid, meta)]
-
-    async def history(self, sid: str, owner: str, offset: int = 0, limit: int | None = None) -> list[Item]:
-        """The session's active history (after its last clear or compaction), or a page of it."""
-        check_session_id(sid)
-        return await self.store.history(sid, owner, offset, limit)
-
-    async def shared_secret(self) -> bytes:
-        """A secret every process of this deployment shares (for signing browser tokens)."""
-        return await self.store.shared_secret()
-
-    async def check_owner(self, sid: str, owner: str) -> None:
-        check_session_id(sid)
-        await self.store.meta(sid, owner)
-
-    def tail(
-        self, sid: str, after: str, *, heartbeat: float, gate: asyncio.Semaphore | None = None
-    ) -> AsyncIterator[StoredEvent | LiveEvent | None]:
-        """Committed events after `after`, then new ones as they come, with live events
-        (`Outbox.tail` itself: no generator layer of its own on every event's path). The caller
-        checks ownership first."""
-        return self.outbox.tail(sid, after, heartbeat=heartbeat, gate=gate)
+    # ---- waiting for a turn (the reads are in `SessionReads`) ----------------------------
 
     async def wait_turn(self, result: SubmitResult, timeout: float) -> TurnResult:
         """Wait until the message's turn settles; returns its events (from message.received on)."""
         after = just_before(result.received_id)
         async with self.hub.watch(result.session_id, after, settled_only=True) as watch:
-            return await self._collect(result, watch, after, timeout, read_first=True)
+            return await collect_turn(self.outbox, result, watch, after, timeout, read_first=True)
 
     async def submit_and_wait(
         self, sid: str, owner: str, text: str, *, context: PageContext, message_id: str | None, timeout: float
@@ -484,43 +385,4 @@ class Harness:
             if not result.duplicate:  # its events, from message.received on, may come published
                 watch.last_seq = result.received_seq - 1
             after = just_before(result.received_id)
-            return await self._collect(result, watch, after, timeout, read_first=result.duplicate)
-
-    async def _collect(
-        self, result: SubmitResult, watch: Watch, after: str, timeout: float, *, read_first: bool
-    ) -> TurnResult:
-        """The turn's events from its message on, until the turn's newest event settles it: a
-        turn.* event, or an input.requested with nothing after it (so asking again later about
-        a turn that paused and then finished reports how it finished)."""
-        sid = result.session_id
-        events: list[dict[str, Any]] = []
-        marker = b'"turn_id":"' + result.turn_id.encode() + b'"'
-
-        async def collect() -> TurnResult:
-            position, read = after, read_first
-            while True:
-                if read:
-                    batch, more = await self.outbox.next(sid, watch, position)
-                    if batch:
-                        position = batch[-1].id
-                    events.extend(decode_data(e.raw) for e in batch if marker in e.raw)
-                    if more:
-                        continue  # read everything there is before judging the newest event
-                    status = TERMINAL.get(events[-1]["type"]) if events else None
-                    if status is not None:
-                        reply = events[-1]["data"].get("reply")
-                        return TurnResult(
-                            session_id=sid,
-                            message_id=result.message_id,
-                            status=status,  # type: ignore[arg-type]
-                            reply=reply,
-                            events=events,
-                        )
-                await watch.wait(min(timeout, 5.0))  # woken, or a periodic look in case a wake-up was lost
-                read = True
-
-        try:
-            async with asyncio.timeout(timeout):
-                return await collect()
-        except TimeoutError:
-            return TurnResult(session_id=sid, message_id=result.message_id, status="pending", reply=None, events=events)
+            return await collect_turn(self.outbox, result, watch, after, timeout, read_first=result.duplicate)

@@ -9,12 +9,13 @@ What it promises:
   describe, and read back byte for byte (I2);
 - a Redis failure leaves the package as `harness.errors.Unavailable`, never a Redis error.
 
-Modules, one noun each: `keys` (every key), `lua` and `protocol` (the scripts and their typed
-arguments and replies), `wire` (the turn's direct command path), `sessions` (the session
-store's commands), `queue` (the job stream), `cache` (decoded history per process), `hub`
-(wake-ups and this process's events), `outbox` (reading events), `deliveries` (the delivery
-relay's leases, cursors, jobs and dead letters), `client` (the connection and error
-translation), `types` (what the commands hand back).
+Modules, one noun each: `keys` (every key), `lua`, `lua_relay` and `protocol` (the scripts and
+their typed arguments and replies), `wire` (the turn's direct command path), `sessions` (the
+session store's commands), `turns` (its turn operations: begin, commit, usage), `queue` (the
+job stream), `cache` (decoded history per process), `hub` (wake-ups and this process's events),
+`outbox` (reading events), `deliveries` (the delivery relay's leases, cursors, jobs and dead
+letters), `client` (the connection and error translation), `types` (what the commands hand
+back).
 """
 
 from redis.asyncio import Redis

@@ -17,7 +17,7 @@ from typing import Any, Generic, Literal, TypeVar
 
 import msgspec
 
-from harness.store import lua
+from harness.store import lua, lua_relay
 from harness.store.keys import DeliveryKeys, QuotaKeys, RelayKeys, SessionKeys
 
 R_co = TypeVar("R_co", covariant=True)
@@ -373,12 +373,14 @@ RESPOND: Script[Recorded | Answered | Unknown | Missing] = Script(
 CANCEL: Script[Cancelling | Idle | Missing] = Script(lua.CANCEL, ("meta", "inbox", "mids"), Cancelling | Idle | Missing)
 RENEW: Script[Held] = Script(lua.RENEW, ("lease",), Held)
 RELEASE: Script[Held] = Script(lua.RELEASE, ("lease",), Held)
-RELAY_TAKE: Script[RelayHeld | RelayBusy] = Script(lua.RELAY_TAKE, ("lease", "state", "meta"), RelayHeld | RelayBusy)
-RELAY_MARK: Script[RelayHeld | RelayLost] = Script(
-    lua.RELAY_MARK, ("lease", "state", "meta", "outbox", "inbox"), RelayHeld | RelayLost
+RELAY_TAKE: Script[RelayHeld | RelayBusy] = Script(
+    lua_relay.RELAY_TAKE, ("lease", "state", "meta"), RelayHeld | RelayBusy
 )
-RELAY_PROMOTE: Script[Count] = Script(lua.RELAY_PROMOTE, ("later", "jobs"), Count)
-TAKE_TOKEN: Script[Done | NoToken] = Script(lua.TAKE_TOKEN, ("bucket",), Done | NoToken)
+RELAY_MARK: Script[RelayHeld | RelayLost] = Script(
+    lua_relay.RELAY_MARK, ("lease", "state", "meta", "outbox", "inbox"), RelayHeld | RelayLost
+)
+RELAY_PROMOTE: Script[Count] = Script(lua_relay.RELAY_PROMOTE, ("later", "jobs"), Count)
+TAKE_TOKEN: Script[Done | NoToken] = Script(lua_relay.TAKE_TOKEN, ("bucket",), Done | NoToken)
 SCRIPTS: tuple[Script[object], ...] = (
     TAKE_TOKEN,
     RELAY_PROMOTE,

@@ -1,0 +1,99 @@
+"""The scripts that are not a session's own operations: the delivery relay's (keys:
+`DeliveryKeys`, `RelayKeys`) and the rate limiter's token bucket (`QuotaKeys`). Each is a body
+as the session's scripts in `lua` are (`protocol.Script` puts the prelude in front of it, and it
+answers one MessagePack map), built on `lua`'s shared helpers.
+"""
+
+from __future__ import annotations
+
+from harness.store.lua import _COMMON
+
+# ---- the delivery relay (keys: DeliveryKeys) ------------------------------------------------
+
+# Takes (or keeps) the lease of one session's deliveries to one destination, and answers the
+# delivery state with where the session is: so a relay that takes over starts from the cursor,
+# knows which posts are in doubt, and whether there is anything left to deliver.
+RELAY_TAKE = (
+    _COMMON
+    + """
+if not redis.call('SET', K.lease, A.fence, 'NX', 'PX', A.ttl_ms) then
+  if redis.call('GET', K.lease) ~= A.fence then
+    return reply({tag = 'busy', retry_ms = redis.call('PTTL', K.lease)})
+  end
+  redis.call('PEXPIRE', K.lease, A.ttl_ms)
+end
+return reply({tag = 'held', state = pairs_of(redis.call('HGETALL', K.state)),
+  metadata = redis.call('HGET', K.meta, 'metadata') or ''})
+"""
+)
+
+# Writes delivery state if the caller still holds the lease (a relay that lost it changes
+# nothing), and renews the lease, or with `A.release` gives it up. With `A.check`, also says
+# whether the session is quiet: `A.check` is its newest event, and it waits for an answer (the
+# answer queues a relay job), or is idle with nothing queued.
+RELAY_MARK = (
+    _COMMON
+    + """
+if redis.call('GET', K.lease) ~= A.token then return reply({tag = 'lost'}) end
+local quiet = false
+if A.check then
+  local status = redis.call('HGET', K.meta, 'status')
+  local newest = redis.call('XREVRANGE', K.outbox, '+', '-', 'COUNT', 1)
+  local last = newest[1] and newest[1][1] or ''
+  local settled = status == 'waiting' or (status ~= 'running' and redis.call('LLEN', K.inbox) == 0)
+  -- caught up: the newest event is the one seen, or before it (a relay that starts later than
+  -- the session, at its destination's beginning); stream ids compare as (ms, seq) numbers
+  local function id_of(eid)
+    local ms, seq = string.match(eid, '^(%d+)-(%d+)$')
+    return tonumber(ms or 0), tonumber(seq or 0)
+  end
+  local lms, lseq = id_of(last)
+  local cms, cseq = id_of(A.check)
+  quiet = settled and (lms < cms or (lms == cms and lseq <= cseq))
+  if not quiet and A.release then return reply({tag = 'held', quiet = false}) end
+end
+if #A.set > 0 then
+  local flat = {}
+  for _, kv in ipairs(A.set) do flat[#flat + 1] = kv[1]; flat[#flat + 1] = kv[2] end
+  redis.call('HSET', K.state, unpack(flat))
+end
+if #A.unset > 0 then redis.call('HDEL', K.state, unpack(A.unset)) end
+if A.release then redis.call('DEL', K.lease) else redis.call('PEXPIRE', K.lease, A.ttl_ms) end
+return reply({tag = 'held', quiet = quiet})
+"""
+)
+
+# Moves the delayed relay jobs that are due (`A.now`, ms) to the relay's job stream: a delivery
+# that waits long for its destination gives its relay slot back and comes back here.
+RELAY_PROMOTE = (
+    _COMMON
+    + """
+local due = redis.call('ZRANGEBYSCORE', K.later, '-inf', A.now, 'LIMIT', 0, A.limit)
+for _, what in ipairs(due) do
+  redis.call('ZREM', K.later, what)
+  redis.call('XADD', K.jobs, '*', 's', what)
+end
+return reply({n = #due})
+"""
+)
+
+# A token bucket (a caller's rate limit): `capacity` tokens, refilled at capacity per `period_ms`,
+# on the server's clock (every process agrees). Takes one token, or says in how many ms one will
+# be there. A full bucket needs no key: it expires when it would be full again.
+TAKE_TOKEN = (
+    _COMMON
+    + """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local b = redis.call('HMGET', K.bucket, 'tokens', 'at')
+local tokens = tonumber(b[1]) or A.capacity
+local at = tonumber(b[2]) or now
+if now > at then tokens = math.min(A.capacity, tokens + (now - at) * A.capacity / A.period_ms) end
+if tokens < 1 then
+  return reply({tag = 'limited', retry_ms = math.ceil((1 - tokens) * A.period_ms / A.capacity)})
+end
+redis.call('HSET', K.bucket, 'tokens', tostring(tokens - 1), 'at', now)
+redis.call('PEXPIRE', K.bucket, A.period_ms)
+return reply({tag = 'ok'})
+"""
+)

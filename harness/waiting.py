@@ -1,0 +1,58 @@
+"""Waiting for a turn to settle (`?wait=true`): its events, read from its message on, until
+the newest of them says how the turn came out."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from harness.events import decode_data
+from harness.store import Outbox, Watch
+from harness.types import SubmitResult, TurnResult
+
+TERMINAL = {
+    "turn.completed": "completed",
+    "turn.failed": "failed",
+    "turn.cancelled": "cancelled",
+    "input.requested": "waiting",
+}
+
+
+async def collect_turn(
+    outbox: Outbox, result: SubmitResult, watch: Watch, after: str, timeout: float, *, read_first: bool
+) -> TurnResult:
+    """The turn's events from its message on, until the turn's newest event settles it: a
+    turn.* event, or an input.requested with nothing after it (so asking again later about
+    a turn that paused and then finished reports how it finished)."""
+    sid = result.session_id
+    events: list[dict[str, Any]] = []
+    marker = b'"turn_id":"' + result.turn_id.encode() + b'"'
+
+    async def collect() -> TurnResult:
+        position, read = after, read_first
+        while True:
+            if read:
+                batch, more = await outbox.next(sid, watch, position)
+                if batch:
+                    position = batch[-1].id
+                events.extend(decode_data(e.raw) for e in batch if marker in e.raw)
+                if more:
+                    continue  # read everything there is before judging the newest event
+                status = TERMINAL.get(events[-1]["type"]) if events else None
+                if status is not None:
+                    reply = events[-1]["data"].get("reply")
+                    return TurnResult(
+                        session_id=sid,
+                        message_id=result.message_id,
+                        status=status,  # type: ignore[arg-type]
+                        reply=reply,
+                        events=events,
+                    )
+            await watch.wait(min(timeout, 5.0))  # woken, or a periodic look in case a wake-up was lost
+            read = True
+
+    try:
+        async with asyncio.timeout(timeout):
+            return await collect()
+    except TimeoutError:
+        return TurnResult(session_id=sid, message_id=result.message_id, status="pending", reply=None, events=events)
