@@ -11,7 +11,7 @@ from typing import Any
 import msgspec
 
 from harness.tools import Tool, ToolContext
-from harness.types import Item, ToolCall
+from harness.types import Answer, Item, ToolCall
 
 log = logging.getLogger("keel.turn")
 _enc = msgspec.json.Encoder()
@@ -21,6 +21,12 @@ def request_id(call_id: str) -> str:
     """A call's approval request id: derived from the committed call id, so it is the same
     after any crash or retry (I2, I3)."""
     return f"req_{call_id}"
+
+
+def denial(answers: Mapping[str, Answer | None], call: ToolCall) -> Answer | None:
+    """The answer that refuses `call`, if one does (None: it runs: not gated, or approved)."""
+    answer = answers.get(request_id(call.id or ""))
+    return answer if answer is not None and answer.decision != "approve" else None
 
 
 def needs_approval(tools: Mapping[str, Tool], call: ToolCall) -> bool:

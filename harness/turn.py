@@ -26,12 +26,11 @@ from harness.outcomes import Cancel, Final, Live, Outcome, Paused, Publish, RunT
 from harness.prompt import assemble, new_input, user_item
 from harness.runtime import changed, newest_snapshot, snapshot_item
 from harness.store import Begun, CommitMode, Committed, Store, UsageRecord
-from harness.toolcalls import needs_approval, request_id, result_item, run_call
+from harness.toolcalls import denial, needs_approval, request_id, result_item, run_call
 from harness.tools import ToolContext
 from harness.types import Answer, ApprovalRequest, Item, ToolCall, Usage
 
 log = logging.getLogger("keel.turn")
-_APPROVED = Answer("approve")
 
 
 class TurnRunner:
@@ -109,12 +108,8 @@ class TurnRunner:
         paused = any(request_id(c.id or "") in self.begun.answers for c in item.tool_calls)
         if paused and not any(c.id in done for c in item.tool_calls):
             return RunTools(item)
-        first = next((c for c in item.tool_calls if c.id not in done and self._runs(c)), None)
+        first = next((c for c in item.tool_calls if c.id not in done and not denial(self.begun.answers, c)), None)
         return RunTools(item, first.id if first is not None else None)
-
-    def _runs(self, call: ToolCall) -> bool:
-        """Whether a call runs: ungated, or approved."""
-        return (self.begun.answers.get(request_id(call.id or "")) or _APPROVED).decision == "approve"
 
     def _step(self) -> int:
         return sum(1 for i in self.turn_items if i.role == "assistant")
@@ -296,9 +291,9 @@ class TurnRunner:
         if any(self.begun.answers.get(request_id(c.id or ""), False) is None for c in todo):
             return Paused()  # cannot happen (BEGIN waits for every answer); never run unanswered
         for n, call in enumerate(todo):
-            if not self._runs(call):
-                answer = self.begun.answers[request_id(call.id or "")] or _APPROVED
-                why = f": {answer.reason}" if answer.reason else ""
+            refused = denial(self.begun.answers, call)
+            if refused is not None:
+                why = f": {refused.reason}" if refused.reason else ""
                 text, is_error = f"error: a person denied this call{why}", True
             else:
                 if call.id != announced and (await self._commit([], self._tool_started([call]), guard=True)).cancel:
@@ -310,7 +305,7 @@ class TurnRunner:
                 failpoints.reached("tool.after_run")
             result = result_item(self.turn_id, call, text, is_error=is_error)
             data = {"call_id": call.id, "tool": call.name, "result": text, "is_error": is_error}
-            following = next((c for c in todo[n + 1 :] if self._runs(c)), None)
+            following = next((c for c in todo[n + 1 :] if not denial(self.begun.answers, c)), None)
             announced = following.id if following is not None else None
             # the last result of the step counts the model call that follows it (if one does)
             model_next = call is todo[-1] and self._step() < self.agent.max_steps

@@ -58,6 +58,7 @@ from support import (  # the sibling module: this file runs as a script
     Server,
     cpu_seconds,
     free_port,
+    keel_env,
     log_tail,
     new_loop,
     on_signal,
@@ -65,7 +66,7 @@ from support import (  # the sibling module: this file runs as a script
     positive,
     server_env,
     start_valkey,
-    stop_process,
+    stop_all,
     wait_ready,
 )
 
@@ -396,10 +397,8 @@ def run_phase(phase: Phase, tmp: Path, args: argparse.Namespace, runner: asyncio
         servers = [receiver, keel]
         me = [sys.executable, str(Path(__file__).resolve()), "--serve", "receiver", "--port", str(receiver.port)]
         receiver.start([*me, "--fail", str(phase.fail), "--seed", str(args.seed)], server_env({}))
-        env = {"REDIS_URL": f"redis://{HOST}:{valkey_port}", "KEEL_HOST": HOST, "KEEL_PORT": str(keel.port)}
-        env |= {"KEEL_LOG_LEVEL": "warning", "KEEL_AGENT": AGENT, "KEEL_DATA_DIR": str(base / "keel")}
-        env |= {"KEEL_API_KEYS": API_KEY, "KEEL_WEBHOOK_ALLOW_PRIVATE": "1"}
-        keel.start([sys.executable, "-m", "app"], server_env(env))
+        extra = {"KEEL_API_KEYS": API_KEY, "KEEL_WEBHOOK_ALLOW_PRIVATE": "1"}
+        keel.start([sys.executable, "-m", "app"], keel_env(valkey_port, keel, base / "keel", AGENT, extra))
         runner.run(measure(phase, keel, receiver, valkey_port, args))
         if keel.log.stat().st_size:  # warnings (the relay's among them)
             print(f"--- keel log, {phase.name} (tail) ---\n{log_tail(keel.log, 20)}", file=sys.stderr)
@@ -408,9 +407,7 @@ def run_phase(phase: Phase, tmp: Path, args: argparse.Namespace, runner: asyncio
             print(f"--- {s.name} log, {phase.name} (tail) ---\n{log_tail(s.log, 20)}", file=sys.stderr)
         raise
     finally:
-        for s in servers:
-            stop_process(s.proc)
-        stop_process(valkey)
+        stop_all(servers, valkey)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -54,14 +54,16 @@ from support import (  # the sibling module: this file runs as a script
     Server,
     cpu_seconds,
     free_port,
+    keel_env,
     log_tail,
     new_loop,
     on_signal,
     percentile,
     positive,
     server_env,
+    show_failure,
     start_valkey,
-    stop_process,
+    stop_all,
     wait_ready,
 )
 
@@ -433,11 +435,10 @@ def run(args: argparse.Namespace) -> int:
         me = [sys.executable, str(Path(__file__).resolve())]
         for s in (slack, bare):
             s.start([*me, "--serve", s.name, "--port", str(s.port)], server_env({}))
-        env = {"REDIS_URL": f"redis://{HOST}:{valkey_port}", "KEEL_HOST": HOST, "KEEL_PORT": str(keel.port)}
-        env |= {"KEEL_LOG_LEVEL": "warning", "KEEL_AGENT": AGENT, "KEEL_DATA_DIR": str(tmp / "keel")}
-        env |= {"SLACK_SIGNING_SECRET": SECRET, "SLACK_BOT_TOKEN": TOKEN}
-        env["KEEL_SLACK_API_URL"] = f"http://{HOST}:{slack.port}/api/"
-        keel.start([sys.executable, "-m", "app"], server_env(env))
+        extra = {"SLACK_SIGNING_SECRET": SECRET, "SLACK_BOT_TOKEN": TOKEN} | {
+            "KEEL_SLACK_API_URL": f"http://{HOST}:{slack.port}/api/"
+        }
+        keel.start([sys.executable, "-m", "app"], keel_env(valkey_port, keel, tmp / "keel", AGENT, extra))
         with asyncio.Runner(loop_factory=new_loop) as runner:
             result = runner.run(measure(keel, bare, slack, args))
         out, bad = report(result, args)
@@ -447,14 +448,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"--- keel log (tail) ---\n{log_tail(keel.log)}", file=sys.stderr)
         return 1 if bad else 0
     except (BenchError, TimeoutError, OSError, asyncio.IncompleteReadError) as exc:
-        print(f"bench_slack: {type(exc).__name__}: {exc}", file=sys.stderr)
-        for s in servers:
-            print(f"--- {s.name} log (tail) ---\n{log_tail(s.log, 20)}", file=sys.stderr)
-        return 1
+        return show_failure("bench_slack", exc, servers)
     finally:
-        for s in servers:
-            stop_process(s.proc)
-        stop_process(valkey)
+        stop_all(servers, valkey)
         shutil.rmtree(tmp, ignore_errors=True)
 
 

@@ -9,6 +9,7 @@ import asyncio
 import os
 import socket
 import subprocess
+import sys
 import time
 from contextlib import suppress
 from dataclasses import dataclass
@@ -147,6 +148,27 @@ def server_env(extra: dict[str, str]) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KEEL_") and k != "REDIS_URL"}
     env["PYTHONUNBUFFERED"] = "1"
     return {**env, **extra}
+
+
+def keel_env(valkey_port: int, keel: Server, data_dir: Path, agent: str, extra: dict[str, str]) -> dict[str, str]:
+    """`python -m app`'s environment in a benchmark: the private Valkey, loopback, warnings only."""
+    env = {"REDIS_URL": f"redis://{HOST}:{valkey_port}", "KEEL_HOST": HOST, "KEEL_PORT": str(keel.port)}
+    env |= {"KEEL_LOG_LEVEL": "warning", "KEEL_AGENT": agent, "KEEL_DATA_DIR": str(data_dir)}
+    return server_env(env | extra)
+
+
+def show_failure(bench: str, exc: BaseException, servers: list[Server]) -> int:
+    """Say why a run failed, with the tail of each server's log; the exit status (1)."""
+    print(f"{bench}: {type(exc).__name__}: {exc}", file=sys.stderr)
+    for s in servers:
+        print(f"--- {s.name} log (tail) ---\n{log_tail(s.log, 20)}", file=sys.stderr)
+    return 1
+
+
+def stop_all(servers: list[Server], valkey: subprocess.Popen[bytes] | None) -> None:
+    for s in servers:
+        stop_process(s.proc)
+    stop_process(valkey)
 
 
 # ---- the HTTP client ---------------------------------------------------------------------
