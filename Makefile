@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install dev run worker test lint typecheck bench smoke slack-demo browser clean
+.PHONY: install dev run worker test test-cluster lint typecheck bench smoke slack-demo browser clean
 
 install: $(STAMP)
 
@@ -44,8 +44,15 @@ browser:
 	      echo "could not install chromium: the browser tests will be skipped"; \
 	  else echo "no chromium, and no root apt-get to install it: the browser tests will be skipped"; fi; }
 
+# The suites that run a second time on a real Valkey Cluster (3 primaries, 3 replicas).
+CLUSTER_SUITES := tests/channels/test_http.py tests/harness/test_approvals.py tests/channels/test_websocket.py tests/crash
+
 test: install lint typecheck browser
 	$(BIN)/python -m pytest -q
+	KEEL_TEST_REDIS=cluster $(BIN)/python -m pytest -q $(CLUSTER_SUITES)
+
+test-cluster: install
+	KEEL_TEST_REDIS=cluster $(BIN)/python -m pytest -q $(CLUSTER_SUITES)
 
 slack-demo: install
 	$(BIN)/python deploy/slack_demo.py

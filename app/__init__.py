@@ -65,6 +65,7 @@ def build_harness(
         rate_limit=settings.rate_limit,
         token_rate=settings.token_rate,
         max_queued=settings.max_queued,
+        job_shards=settings.job_shards,
     )
 
 

@@ -32,8 +32,8 @@ def prepare(settings: Settings) -> tuple[str, EmbeddedValkey | None]:
         cluster = asyncio.run(reachable(settings.redis_url))
     except Unavailable as exc:
         raise SettingsError(f"REDIS_URL is not reachable: {exc.message}") from None
-    if cluster:  # (each script would meet MOVED from the nodes that do not own its session's slot)
-        raise SettingsError("REDIS_URL is a Redis Cluster node: keel does not run on a cluster yet; use one server")
+    if cluster:
+        log.info("REDIS_URL is a node of a Redis Cluster: cluster mode")
     return settings.redis_url, None
 
 

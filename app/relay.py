@@ -17,14 +17,14 @@ import sys
 
 import msgspec
 
-from harness.store import DeadLetter, Deliveries, Redis, connect
+from harness.store import Client, DeadLetter, Deliveries, connect
 
 
-async def list_dead(redis: Redis, destination: str) -> list[DeadLetter]:
+async def list_dead(redis: Client, destination: str) -> list[DeadLetter]:
     return await Deliveries(redis, None).dead(destination)
 
 
-async def retry_dead(redis: Redis, destination: str, session: str | None = None, event: str | None = None) -> int:
+async def retry_dead(redis: Client, destination: str, session: str | None = None, event: str | None = None) -> int:
     deliveries = Deliveries(redis)
     letters = [
         d

@@ -25,7 +25,7 @@ from harness.metrics import HarnessStats
 from harness.modelcall import ModelCall
 from harness.ops import OpRunner
 from harness.outcomes import Final, Live, Publish
-from harness.store import Begun, Busy, JobQueue, Store
+from harness.store import Begun, Busy, JobQueue, JobShards, Store
 from harness.turn import TurnRunner
 
 log = logging.getLogger("keel.runner")
@@ -45,7 +45,7 @@ class Runner:
     def __init__(
         self,
         store: Store,
-        queue: JobQueue,
+        jobs: JobShards,
         agent: Agent,
         publish: Publish,
         *,
@@ -58,7 +58,7 @@ class Runner:
     ) -> None:
         self.stats = stats or HarnessStats()
         self.store = store
-        self.queue = queue
+        self.jobs = jobs
         self.agent = agent
         self.publish = publish
         self.live = live
@@ -75,18 +75,20 @@ class Runner:
         self._covered: dict[str, str] = {}  # session -> newest job a finished drain has seen
         self._marks: dict[str, str] = {}  # session -> newest job the running drain began after
         self._jobs: dict[str, list[str]] = {}  # session -> jobs to acknowledge when its drain ends
-        self._acks: list[str] = []
+        self._acks: list[tuple[str, str]] = []  # (session, job): done soon, together
         self._acking: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
-        self._main: asyncio.Task[None] | None = None
+        self._loops: list[asyncio.Task[None]] = []  # one per job stream
 
     def start(self) -> None:
-        self._main = asyncio.create_task(self._loop(), name="keel-runner")
+        self._loops = [
+            asyncio.create_task(self._loop(q), name=f"keel-runner-{n}") for n, q in enumerate(self.jobs.queues)
+        ]
 
     async def stop(self) -> None:
         """Stop taking jobs and cancel running turns. Their leases expire; unacknowledged jobs
         stay pending, and another runner (or this process restarted) takes them up."""
-        await cancel_and_wait(t for t in (self._main, *self._tasks) if t is not None)
+        await cancel_and_wait([*self._loops, *self._tasks])
         if self._acking is not None:
             with contextlib.suppress(Exception):
                 await self._acking
@@ -139,8 +141,8 @@ class Runner:
 
     # ---- jobs from the stream ----------------------------------------------------------
 
-    async def _loop(self) -> None:
-        await self.queue.ensure_group()
+    async def _loop(self, queue: JobQueue) -> None:
+        await queue.ensure_group()
         reclaim_every = max(self.lease_ms / 1000, 1.0)
         next_reclaim = last_own_read = 0.0
         loop = asyncio.get_running_loop()
@@ -150,9 +152,9 @@ class Runner:
                     await asyncio.wait(set(self._tasks), return_when=asyncio.FIRST_COMPLETED)
                 if loop.time() >= next_reclaim:
                     next_reclaim = loop.time() + reclaim_every
-                    for job in await self.queue.reclaim(min_idle_ms=2 * self.lease_ms):
+                    for job in await queue.reclaim(min_idle_ms=2 * self.lease_ms):
                         self._job(*job)
-                jobs = await self.queue.take(count=READ_BATCH, block_ms=self.block_ms)
+                jobs = await queue.take(count=READ_BATCH, block_ms=self.block_ms)
                 now, last_read = loop.time(), last_own_read
                 if jobs and sum(self._job(*job) for job in jobs) == len(jobs) < READ_BATCH:
                     last_own_read = now
@@ -169,16 +171,16 @@ class Runner:
         since the job was added, or running): a job this process added itself, most likely."""
         covered = self._covered.get(sid)
         if covered is not None and stream_key(job_id) <= stream_key(covered):
-            self._ack(job_id)
+            self._ack(sid, job_id)
             return True
         mine = sid in self._active
         self._run(sid, job_id)
         return mine
 
-    def _ack(self, job_id: str) -> None:
+    def _ack(self, sid: str, job_id: str) -> None:
         """Acknowledge soon, together with others. Lost in a crash, the job is reclaimed, finds
         nothing to do, and is acknowledged then."""
-        self._acks.append(job_id)
+        self._acks.append((sid, job_id))
         if self._acking is None:
             self._acking = asyncio.create_task(self._flush_acks())
 
@@ -188,7 +190,12 @@ class Runner:
                 await asyncio.sleep(ACK_DELAY_S)
             while self._acks:
                 batch, self._acks = self._acks, []
-                await self.queue.done(*batch)
+                by_queue: dict[str, list[str]] = {}
+                for sid, job_id in batch:
+                    by_queue.setdefault(self.jobs.of(sid).stream, []).append(job_id)
+                for queue in self.jobs.queues:
+                    if queue.stream in by_queue:
+                        await queue.done(*by_queue[queue.stream])
         except Exception as exc:
             log.warning("runner: acknowledging jobs failed (%s); they will be reclaimed", exc)
         finally:
@@ -261,7 +268,7 @@ class Runner:
             jobs = self._jobs.pop(sid, [])
             if drained:
                 for job in jobs:
-                    self._ack(job)
+                    self._ack(sid, job)
 
     def _cover(self, sid: str, job_id: str) -> None:
         if len(self._covered) >= COVERED_MAX:

@@ -21,14 +21,13 @@ from harness.reads import SessionReads, check_session_id
 from harness.relay import Destination, Relay
 from harness.runner import Runner
 from harness.store import (
+    Client,
     DeadLetter,
     Deliveries,
     Depth,
     EventHub,
-    JobQueue,
     Outbox,
     RateBuckets,
-    Redis,
     Responded,
     Store,
     Submitted,
@@ -53,7 +52,7 @@ MAX_REASON = 2_000
 class Harness(SessionReads):
     def __init__(
         self,
-        redis: Redis,
+        redis: Client,
         agent: Agent,
         *,
         run_turns: bool = True,
@@ -63,17 +62,18 @@ class Harness(SessionReads):
         rate_limit: RateLimit | None = None,
         token_rate: RateLimit | None = None,
         max_queued: int = 0,
+        job_shards: int = 0,
     ) -> None:
         self.redis = redis
         self.agent = agent
-        self.store = Store(redis, retention=retention, max_queued=max_queued)
+        self.store = Store(redis, retention=retention, max_queued=max_queued, job_shards=job_shards)
         buckets = RateBuckets(self.store.wire)
         self.limiter = RateLimiter(buckets, rate_limit, "for this API key") if rate_limit is not None else None
         self.token_limiter = RateLimiter(buckets, token_rate, "for this session's tokens") if token_rate else None
         self.stats = HarnessStats()  # what this process counts (app/metrics.py exposes it)
-        self.queue = JobQueue(redis)
+        self.jobs = self.store.jobs
         self.runner: Runner | None = None
-        self.hub = EventHub(redis, runs_here=self._runs_here, cancelled=self._interrupt)
+        self.hub = EventHub(redis, self.store.wire, runs_here=self._runs_here, cancelled=self._interrupt)
         self.outbox = Outbox(self.store, self.hub)
         self._owns_redis = False
         self.lease_ms = lease_ms
@@ -85,7 +85,7 @@ class Harness(SessionReads):
         if run_turns:
             self.runner = Runner(
                 self.store,
-                self.queue,
+                self.jobs,
                 agent,
                 self._published,
                 live=self.hub,
@@ -137,7 +137,7 @@ class Harness(SessionReads):
             log.warning("webhooks: queueing deliveries for %s failed: %s", sid, exc)
 
     async def start(self) -> None:
-        await self.queue.ensure_group()
+        await self.jobs.ensure_groups()
         await self.store.load_scripts()
         self.hub.start()
         if self.runner is not None:
@@ -164,7 +164,7 @@ class Harness(SessionReads):
 
     async def queue_depth(self) -> Depth:
         """The turn job stream's backlog (jobs not done, the oldest's age), read from Redis now."""
-        return await self.queue.depth()
+        return await self.jobs.depth()
 
     async def ping(self) -> None:
         """Raises `Unavailable` when storage does not answer (readiness)."""

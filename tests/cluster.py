@@ -135,3 +135,50 @@ class ValkeyCluster:
                 proc.wait(timeout=10)
         self.procs = []
         shutil.rmtree(self.dir, ignore_errors=True)
+
+    # ---- moving slots (resharding), as `valkey-cli --cluster reshard` does -----------------
+
+    def node_id(self, port: int) -> str:
+        return _command(port, "CLUSTER", "MYID").split(b"\r\n")[1].decode()
+
+    def owner_of(self, slot: int) -> int:
+        """The port of the primary that owns `slot`, as the first primary sees it."""
+        for line in self._nodes(self.primaries[0]).decode().splitlines():
+            fields = line.split()
+            if len(fields) < 8 or "master" not in fields[2]:  # (the reply's length line; replicas)
+                continue
+            for part in fields[8:]:
+                if part.startswith("["):
+                    continue  # (a slot being migrated or imported)
+                low, _, high = part.partition("-")
+                if int(low) <= slot <= int(high or low):
+                    return int(fields[1].split(":")[1].split("@")[0])
+        raise LookupError(f"no primary owns slot {slot}")
+
+    def move_slot(self, slot: int, to_port: int, batch: int = 20) -> int:
+        """Move `slot` to the primary on `to_port`: IMPORTING there, MIGRATING at its owner,
+        its keys MIGRATEd a batch at a time (new ones keep coming while keel writes), then the
+        slot given to the target everywhere. Returns how many keys moved."""
+        import redis
+
+        source = self.owner_of(slot)
+        if source == to_port:
+            return 0
+        src_id, dst_id = self.node_id(source), self.node_id(to_port)
+        src, dst = redis.Redis(port=source), redis.Redis(port=to_port)
+        moved = 0
+        try:
+            dst.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", src_id)
+            src.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", dst_id)
+            while keys := src.execute_command("CLUSTER", "GETKEYSINSLOT", slot, batch):
+                src.execute_command("MIGRATE", "127.0.0.1", to_port, "", 0, 5000, "KEYS", *keys)
+                moved += len(keys)
+            dst.execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)
+            src.execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)
+            for port in self.primaries:
+                if port not in (source, to_port):
+                    redis.Redis(port=port).execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)
+        finally:
+            src.close()
+            dst.close()
+        return moved

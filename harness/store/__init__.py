@@ -20,12 +20,12 @@ back).
 
 from redis.asyncio import Redis
 
-from harness.store.client import connect, reachable, redis_errors
+from harness.store.client import Client, connect, reachable, redis_errors
 from harness.store.deliveries import DeadLetter, Deliveries, DeliveryState, Failing, relay_queue
 from harness.store.hooks import Subscription, Subscriptions, new_subscription
 from harness.store.hub import EventHub, Watch
 from harness.store.outbox import Outbox
-from harness.store.queue import Depth, JobQueue
+from harness.store.queue import Depth, JobQueue, JobShards
 from harness.store.quotas import RateBuckets
 from harness.store.sessions import CommitMode, Store
 from harness.store.types import Begun, Busy, Committed, Responded, Submitted, UsageRecord
@@ -33,6 +33,7 @@ from harness.store.types import Begun, Busy, Committed, Responded, Submitted, Us
 __all__ = [
     "Begun",
     "Busy",
+    "Client",
     "CommitMode",
     "Committed",
     "DeadLetter",
@@ -42,6 +43,7 @@ __all__ = [
     "EventHub",
     "Failing",
     "JobQueue",
+    "JobShards",
     "Outbox",
     "RateBuckets",
     "Redis",

@@ -13,12 +13,15 @@ import functools
 from collections.abc import Awaitable, Callable
 from typing import ParamSpec, TypeVar
 
+import redis as sync_redis
 from redis.asyncio import ConnectionPool, Redis
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 from redis.maint_notifications import MaintNotificationsConfig
 
 from harness.errors import Unavailable
 
+Client = Redis | RedisCluster  # one server, or a Redis / Valkey Cluster (any node's URL)
 P = ParamSpec("P")
 T = TypeVar("T")
 MAX_CONNECTIONS = 4096
@@ -35,12 +38,18 @@ def count_error() -> None:
     _errors[0] += 1
 
 
-def connect(url: str) -> Redis:
-    """The process's Redis client. The pool may hold up to 4,096 connections: a burst (a
-    thousand sockets opening together) gets more connections rather than errors, and a plain
-    pool costs a turn about 7% less than a blocking one. Maintenance notifications off: redis-py
-    8.1's default ("auto") skips the liveness check of pooled connections, so after a Redis
-    restart every old connection failed once, as a 5xx."""
+def connect(url: str, *, cluster: bool | None = None) -> Client:
+    """The process's Redis client: a cluster client when `url` is a node of a Redis Cluster
+    (asked once, here, unless `cluster` says), else a plain one. The pool may hold up to 4,096
+    connections (per node): a burst (a thousand sockets opening together) gets more
+    connections rather than errors, and a plain pool costs a turn about 7% less than a blocking
+    one. Maintenance notifications off: redis-py 8.1's default ("auto") skips the liveness
+    check of pooled connections, so after a Redis restart every old connection failed once, as
+    a 5xx."""
+    if cluster is None:
+        cluster = is_cluster_node(url)
+    if cluster:
+        return RedisCluster.from_url(url, max_connections=MAX_CONNECTIONS, health_check_interval=30)
     pool = ConnectionPool.from_url(
         url,
         max_connections=MAX_CONNECTIONS,
@@ -50,10 +59,23 @@ def connect(url: str) -> Redis:
     return Redis.from_pool(pool)
 
 
+def is_cluster_node(url: str, timeout: float = 2.0) -> bool:
+    """Whether the Redis at `url` runs in cluster mode (one INFO, blocking: called once at
+    start). One that does not answer is taken for a plain server: its calls then fail as any
+    call to an absent Redis does."""
+    client = sync_redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+    try:
+        return bool(client.info("cluster").get("cluster_enabled"))
+    except (RedisError, OSError):
+        return False
+    finally:
+        client.close()
+
+
 async def reachable(url: str, timeout: float = 5.0) -> bool:
     """Whether a Redis answers at `url`: whether it is a Redis Cluster node, or `Unavailable`
     saying why not."""
-    client = connect(url)
+    client = connect(url, cluster=False)
     try:
         async with asyncio.timeout(timeout):
             await client.ping()

@@ -12,13 +12,12 @@ from collections.abc import Mapping
 from typing import Any
 
 import msgspec
-from redis.asyncio import Redis
 
 from harness.store import protocol as p
-from harness.store.client import translated
+from harness.store.client import Client, translated
+from harness.store.clusterwire import AnyWire
 from harness.store.keys import RELAY_GROUP, RELAY_JOBS, RELAY_LATER, DeliveryKeys, RelayKeys, dead_letters
 from harness.store.queue import JobQueue
-from harness.store.wire import Wire
 
 
 class DeliveryState(msgspec.Struct):
@@ -58,7 +57,7 @@ def relay_job(sid: str, destination: str, event_id: str = "") -> tuple[str, ...]
     return ("XADD", RELAY_JOBS, "*", "s", what)
 
 
-def relay_queue(redis: Redis, consumer: str | None = None) -> JobQueue:
+def relay_queue(redis: Client, consumer: str | None = None) -> JobQueue:
     return JobQueue(redis, consumer=consumer, stream=RELAY_JOBS, group=RELAY_GROUP)
 
 
@@ -66,7 +65,7 @@ class Deliveries:
     """Leases and state go by the `wire` (the relay's); dead letters need only `redis` (the
     operator's command line)."""
 
-    def __init__(self, redis: Redis, wire: Wire | None = None) -> None:
+    def __init__(self, redis: Client, wire: AnyWire | None = None) -> None:
         self.redis = redis
         self.wire = wire
 

@@ -8,9 +8,8 @@ import time
 from typing import Any
 
 import msgspec
-from redis.asyncio import Redis
 
-from harness.store.client import translated
+from harness.store.client import Client, translated
 from harness.store.keys import PREFIX
 
 SUBS = f"{PREFIX}:{{hooks}}:subs"
@@ -40,7 +39,7 @@ _decode = msgspec.json.Decoder(Subscription).decode
 
 
 class Subscriptions:
-    def __init__(self, redis: Redis) -> None:
+    def __init__(self, redis: Client) -> None:
         self.redis = redis
 
     @translated

@@ -3,10 +3,11 @@ this process committed and the live (transient) events of the session, from this
 through the `LiveRelay`, from the one running the turn.
 
 Commits made in this process are published here with the events they wrote (byte for byte what
-a read of the outbox returns); a single background poller notices commits made by other
-processes (XREAD BLOCK over the watched sessions). A reader takes published events only when
-they continue exactly where it is (the next seq, no gap); otherwise it reads the outbox stream,
-which is always the truth.
+a read of the outbox returns); commits made by other processes are heard as the notice their
+script publishes on the session's channel (sharded pub/sub, see `live`), which every watch
+subscribes to before its reader reads. A reader takes published events only when they continue
+exactly where it is (the next seq, no gap); otherwise it reads the outbox stream, which is
+always the truth.
 """
 
 from __future__ import annotations
@@ -15,15 +16,11 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
-from typing import Any
 
-from redis.asyncio import Redis
-
-from harness.aio import cancel_and_wait
 from harness.events import LiveEvent, StoredEvent
 from harness.ids import stream_key
-from harness.store.client import count_error
-from harness.store.keys import SessionKeys, session_of
+from harness.store.client import Client
+from harness.store.clusterwire import AnyWire
 from harness.store.live import LiveRelay
 
 log = logging.getLogger("keel.hub")
@@ -128,39 +125,66 @@ def _expire(waiter: asyncio.Future[bool]) -> None:
 class EventHub:
     def __init__(
         self,
-        redis: Redis | None = None,
+        redis: Client | None = None,
+        wire: AnyWire | None = None,
         *,
-        poll_block_ms: int = 100,
         runs_here: Callable[[str], bool] = _never,
         cancelled: Callable[[str, str], None] = lambda sid, turn_id: None,
     ) -> None:
-        self._redis = redis
-        # Sessions this process runs now write (and announce) their turn's events here: the
-        # poller leaves them out until their drain ends (`poke`).
+        # Sessions this process runs now write (and announce) their turn's events here: notices
+        # of their commits are not needed until their drain ends (`poke`).
         self._runs_here = runs_here
-        self._block = poll_block_ms
         self._watches: dict[str, set[Watch]] = {}
-        self._last: dict[str, str] = {}
-        self._task: asyncio.Task[None] | None = None
-        self._followed = asyncio.Event()  # set when a session gets a position to poll from
+        self._last: dict[str, str] = {}  # session -> the newest event id its watches were woken for
+        self._passed: set[str] = set()  # sessions whose notice was passed over while they ran here
         self._cancelled = cancelled  # (session, turn) a cancel was asked for, here or elsewhere
-        self._relay = LiveRelay(redis, self._arrived, cancelled) if redis is not None else None
+        self._relay = None
+        if redis is not None and wire is not None:
+            self._relay = LiveRelay(
+                redis, wire, self._arrived, cancelled=cancelled, committed=self._committed, missed=self._missed
+            )
 
     def publish(self, sid: str, events: list[StoredEvent], *, settled: bool = True) -> None:
         """This process committed `events` (`settled`: a commit that ended a turn): hand them to
-        the session's watches and wake them. The poller needs to look only past the newest: any
-        earlier event, from elsewhere, is read by the woken readers now."""
+        the session's watches and wake them. The notice of the same commit, when it comes, is
+        then passed over."""
         watches = self._watches.get(sid)
         if not watches:
             return
+        everyone = True
         for w in watches:
             w.push(events)
             if settled or not w.settled_only:
                 w.wake()
-        event_id = events[-1].id if events else None
+            else:
+                everyone = False
+        if events and everyone:  # (else the notice wakes the rest: this commit may settle a turn after all)
+            self._advance(sid, events[-1].id)
+
+    def _advance(self, sid: str, event_id: str) -> bool:
+        """Note `event_id` as woken for; False if an event as new was already."""
         last = self._last.get(sid)
-        if event_id is not None and last is not None and stream_key(event_id) > stream_key(last):
-            self._last[sid] = event_id
+        if last is not None and stream_key(event_id) <= stream_key(last):
+            return False
+        self._last[sid] = event_id
+        return True
+
+    def _committed(self, sid: str, event_id: str) -> None:
+        """A commit's notice (from any process) for a session watched here."""
+        if sid not in self._watches:
+            return
+        if self._runs_here(sid):  # its events come published here; anything else is read with them
+            self._passed.add(sid)
+            return
+        if self._advance(sid, event_id):
+            for w in self._watches[sid]:
+                w.wake()
+
+    def _missed(self, sid: str) -> None:
+        """Notices for the session may have been lost (its subscription was made again): its
+        readers read the stream."""
+        for w in self._watches.get(sid, ()):
+            w.wake()
 
     def live(self, sid: str, event: LiveEvent) -> None:
         """A turn this process runs produced a live event: to the session's readers here, and
@@ -189,84 +213,43 @@ class EventHub:
     async def watch(
         self, sid: str, after: str | None, *, settled_only: bool = False, live: bool = True
     ) -> AsyncIterator[Watch]:
-        """Wake-ups for events after `after`, the id the caller has read up to. The poller
-        starts from the oldest such id, so an event committed elsewhere after the caller's
-        read can only wake it (perhaps needlessly), never be missed. Commits in this process
-        wake every watch of the session. A watch opened with None learns its position later
-        (`follow`); until then only local commits wake it. Without `live` (or with
-        `settled_only`) it takes no live events, and costs no pub/sub subscription."""
+        """Wake-ups for events after `after`, the id the caller has read up to (None: not known
+        yet, see `follow`). Returns once the session's channel is subscribed (or after a bound),
+        so a commit made anywhere after the caller's next read wakes it. Commits in this
+        process wake every watch of the session (a `settled_only` one: only those that settle
+        a turn). Without `live` (or with `settled_only`) it takes no live events."""
         w = Watch(after, settled_only=settled_only, live=live)
         self._watches.setdefault(sid, set()).add(w)
-        if after is not None:
-            self.follow(sid, w, after)
-        relay = self._relay if w.live else None
         try:
-            if relay is not None:
-                await relay.follow(sid)
+            if self._relay is not None:
+                await self._relay.follow(sid)
             yield w
         finally:
-            if relay is not None:
-                relay.unfollow(sid)
+            if self._relay is not None:
+                self._relay.unfollow(sid)
             ws = self._watches.get(sid)
             if ws is not None:
                 ws.discard(w)
                 if not ws:
                     del self._watches[sid]
                     self._last.pop(sid, None)
-
-    def poke(self) -> None:
-        """Something changed what the poller should watch (a session stopped running here)."""
-        self._followed.set()
+                    self._passed.discard(sid)
 
     def follow(self, sid: str, w: Watch, after: str) -> None:
-        self._followed.set()
+        """The watch's reader has read up to `after`."""
         w.seen = after
-        last = self._last.get(sid)
-        if last is None or stream_key(after) < stream_key(last):
-            self._last[sid] = after
 
     def start(self) -> None:
-        if self._redis is not None and self._task is None:
-            self._task = asyncio.create_task(self._poll(), name="keel-hub-poller")
         if self._relay is not None:
             self._relay.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            await cancel_and_wait([self._task])
-            self._task = None
         if self._relay is not None:
             await self._relay.stop()
 
-    async def _poll(self) -> None:
-        assert self._redis is not None
-        redis = self._redis
-        while True:
-            try:
-                sids = [s for s in self._watches if s in self._last and not self._runs_here(s)]
-                if not sids:
-                    self._followed.clear()
-                    await self._followed.wait()
-                    continue
-                for s in sids:  # readers that caught up need no wake-up for what they read
-                    seen = [w.seen for w in self._watches.get(s, ()) if w.seen is not None]
-                    slowest = min(seen, key=stream_key, default=None)
-                    if slowest is not None and s in self._last and stream_key(slowest) > stream_key(self._last[s]):
-                        self._last[s] = slowest
-                streams: Any = {SessionKeys(s).outbox: self._last[s] for s in sids if s in self._last}
-                res: Any = await redis.xread(streams, count=1, block=self._block)
-                for key, entries in res:
-                    sid = session_of(key.decode())
-                    eid = entries[-1][0].decode()
-                    last = self._last.get(sid)
-                    if last is None or stream_key(eid) <= stream_key(last):
-                        continue  # no longer watched, or written (and announced) by this process
-                    self._last[sid] = eid
-                    for w in self._watches.get(sid, ()):
-                        w.wake()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # Redis away: keep serving local notifications, retry
-                count_error()
-                log.warning("event poller: %s; retrying", exc)
-                await asyncio.sleep(1.0)
+    def poke(self) -> None:
+        """A session stopped running here: the ones whose notices were passed over meanwhile
+        (perhaps for a commit made elsewhere) have their readers read."""
+        for sid in [s for s in self._passed if not self._runs_here(s)]:
+            self._passed.discard(sid)
+            self._missed(sid)

@@ -3,6 +3,11 @@ atomic operation on a session touches one cluster slot."""
 
 from __future__ import annotations
 
+import zlib
+from functools import cache
+
+from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
+
 PREFIX = "keel"
 JOBS = f"{PREFIX}:{{jobs}}:stream"  # turn jobs: "session <id> has work"; consumer group below
 JOBS_GROUP = "runners"
@@ -11,6 +16,29 @@ CANCELS = f"{PREFIX}:{{control}}:cancels"  # pub/sub channel: "<session> <turn>"
 RELAY_JOBS = f"{PREFIX}:{{relay}}:stream"  # relay jobs: "<session> <destination> [<event id>]"
 RELAY_GROUP = "relays"
 RELAY_LATER = f"{PREFIX}:{{relay}}:later"  # sorted set: "<session> <destination>" by when to try again (ms)
+
+
+@cache
+def job_streams(shards: int) -> tuple[str, ...]:
+    """The turn job streams: `JOBS` alone, or `shards` streams, each in its own slot and the
+    slots spread evenly over the slot range (shard n's hash tag is the first `jobs:<n>.<k>` whose
+    slot lies in the n-th of `shards` equal parts), so that on a cluster whose primaries hold
+    even ranges of slots the shards spread over them."""
+    if shards <= 1:
+        return (JOBS,)
+    streams = []
+    for n in range(shards):
+        low, high = n * REDIS_CLUSTER_HASH_SLOTS // shards, (n + 1) * REDIS_CLUSTER_HASH_SLOTS // shards
+        k = 0
+        while not low <= key_slot(f"jobs:{n}.{k}".encode()) < high:
+            k += 1
+        streams.append(f"{PREFIX}:{{jobs:{n}.{k}}}:stream")
+    return tuple(streams)
+
+
+def job_shard(sid: str, shards: int) -> int:
+    """The shard of a session's jobs: always the same one, so that its jobs' ids compare."""
+    return zlib.crc32(sid.encode()) % shards if shards > 1 else 0
 
 
 class RelayKeys:

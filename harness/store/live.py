@@ -1,11 +1,14 @@
-"""Transient events between processes: Redis pub/sub, one channel per session, and one for
-cancel notices that every process hears.
+"""Between processes: sharded pub/sub (`shardsub`), one channel per session in the session's own
+slot, and one for cancel notices that every process hears.
 
-A process publishes the live events of the turns it runs (`send`, batched: a burst of deltas
-is one pipeline) and subscribes to the channels of the sessions it has readers for (`follow`,
-`unfollow`). Live events are best-effort by design (the committed `message.completed` is the
-truth): one lost while Redis is away, or before a subscription is in place, is not resent. A
-process skips what it published itself (each message names its origin). A cancel notice
+Three kinds of message travel on a session's channel. A commit's notice, "@<event id>", is
+published by the script that commits (so it cannot be lost to a crash after the commit):
+readers elsewhere read the outbox at once instead of after a poll. Live events (`send`, batched:
+a burst of deltas is one message per session) are best-effort by design (the committed
+`message.completed` is the truth): one lost while Redis is away, or before a subscription is in
+place, is not resent. A process skips the live events it published itself (each message names
+its origin). A subscription confirmed again after a gap (a lost connection, a slot that moved)
+tells the hub to have the session's readers read what they may have missed. A cancel notice
 (`cancel`) only hurries the process running the turn: the cancel itself is committed first, and
 that process sees it at its next commit anyway.
 """
@@ -18,48 +21,51 @@ import logging
 import os
 from collections.abc import Callable
 
-from redis.asyncio import Redis
-
 from harness.aio import cancel_and_wait
 from harness.events import LiveEvent, live_event
-from harness.store.client import count_error
+from harness.store.client import Client, count_error
+from harness.store.clusterwire import AnyWire
 from harness.store.keys import CANCELS, SessionKeys, session_of
+from harness.store.shardsub import ShardSubscriber
 
 log = logging.getLogger("keel.live")
-RETRY_S = 1.0
 FLUSH_WAIT_S = 1.0  # a commit waits at most this long for its deltas to be published
 
 
 class LiveRelay:
     def __init__(
         self,
-        redis: Redis,
+        redis: Client,
+        wire: AnyWire,
         deliver: Callable[[str, LiveEvent], None],
+        *,
         cancelled: Callable[[str, str], None] = lambda sid, turn_id: None,
+        committed: Callable[[str, str], None] = lambda sid, event_id: None,
+        missed: Callable[[str], None] = lambda sid: None,
     ) -> None:
-        self._redis = redis
+        self._wire = wire
         self._deliver = deliver  # an event another process published, for this process's readers
         self._cancelled = cancelled  # a cancel notice from another process: (session, turn)
+        self._committed = committed  # a commit's notice: (session, newest event id)
+        self._missed = missed  # a session whose notices may have been missed
         self._origin = os.urandom(8).hex().encode()
         self._outgoing: list[tuple[str, bytes]] = []
         self._flusher: asyncio.Task[None] | None = None
         self._next: asyncio.Future[None] | None = None  # done when the batch being gathered is sent
         self._sending: asyncio.Future[None] | None = None  # ... the batch being sent
-        self._pubsub = redis.pubsub(ignore_subscribe_messages=True)
-        self._readers: dict[str, int] = {}  # session -> readers here that want its live events
-        self._dropped: set[str] = set()  # sessions whose channel is to be unsubscribed
-        self._subscribing: set[asyncio.Task[None]] = set()
-        self._listener: asyncio.Task[None] | None = None
+        self._readers: dict[str, int] = {}  # session -> readers here
+        self._sub = ShardSubscriber(redis, self._heard, self._again, self._wanted)
+        self._started = False
 
     def start(self) -> None:
-        if self._listener is None:
-            self._listener = asyncio.create_task(self._listen(), name="keel-live-listener")
+        if not self._started:
+            self._started = True
+            self._sub.add([CANCELS])
 
     async def stop(self) -> None:
-        await cancel_and_wait(t for t in (self._listener, self._flusher, *self._subscribing) if t is not None)
-        self._listener = self._flusher = None
-        with contextlib.suppress(Exception):
-            await self._pubsub.aclose()  # type: ignore[no-untyped-call]
+        await cancel_and_wait(t for t in (self._flusher,) if t is not None)
+        self._flusher = None
+        await self._sub.stop()
 
     # ---- out ---------------------------------------------------------------------------
 
@@ -106,79 +112,57 @@ class LiveRelay:
 
     async def _publish(self, batch: list[tuple[str, bytes]]) -> None:
         """One message per channel: a session's live events of this batch, a line each (an
-        envelope has no raw newline); every cancel notice on its own."""
+        envelope has no raw newline); every cancel notice on its own. SPUBLISH: the message
+        goes to the subscribers on the channel's slot's node only."""
         lines: dict[str, list[bytes]] = {}
-        async with self._redis.pipeline(transaction=False) as pipe:
-            for channel, data in batch:
-                if channel == CANCELS:
-                    pipe.publish(channel, self._origin + b" " + data)
-                else:
-                    lines.setdefault(channel, []).append(data)
-            for channel, events in lines.items():
-                pipe.publish(channel, self._origin + b" " + b"\n".join(events))
-            await pipe.execute()
+        commands: list[tuple[str, str, bytes]] = []
+        for channel, data in batch:
+            if channel == CANCELS:
+                commands.append(("SPUBLISH", channel, self._origin + b" " + data))
+            else:
+                lines.setdefault(channel, []).append(data)
+        for channel, events in lines.items():
+            commands.append(("SPUBLISH", channel, self._origin + b" " + b"\n".join(events)))
+        for reply in await self._wire.call(commands):
+            if isinstance(reply, Exception):
+                raise reply
 
     # ---- in ----------------------------------------------------------------------------
 
     async def follow(self, sid: str) -> None:
-        """A reader of `sid` opened here: subscribe to its channel (if it is the first). The
-        SUBSCRIBE runs in a task of its own: redis-py sends it inside `wait_for`, which on
-        Python 3.11 can swallow a cancellation of the reader that arrives meanwhile."""
+        """A reader of `sid` opened here: subscribe to its channel (if it is the first), and
+        return once Redis confirmed it (or after a bound): from then on every commit to the
+        session is heard, so a read of its outbox after this misses nothing."""
         self._readers[sid] = self._readers.get(sid, 0) + 1
-        if self._readers[sid] == 1:
-            task = asyncio.ensure_future(self._subscribe([SessionKeys(sid).live]))
-            self._subscribing.add(task)
-            task.add_done_callback(self._subscribing.discard)
-            await asyncio.shield(task)
+        await self._sub.subscribe([SessionKeys(sid).live])
 
     def unfollow(self, sid: str) -> None:
-        """The reader went: the listener unsubscribes from the channel of a session that has no
-        reader left here (no Redis call in the reader's clean-up, which may be cancelled)."""
+        """The reader went: the channel of a session with no reader left here is left soon."""
         left = self._readers.get(sid, 0) - 1
         if left > 0:
             self._readers[sid] = left
             return
         self._readers.pop(sid, None)
-        self._dropped.add(sid)
+        self._sub.drop(SessionKeys(sid).live)
 
-    async def _subscribe(self, channels: list[str]) -> None:
-        try:
-            await self._pubsub.subscribe(*channels)
-        except Exception as exc:  # Redis away: the listener subscribes again when it is back
-            count_error()
-            log.warning("live events: subscribing failed: %s", type(exc).__name__)
+    def _wanted(self, channel: str) -> bool:
+        return channel == CANCELS or session_of(channel) in self._readers
 
-    async def _listen(self) -> None:
-        await self._subscribe([CANCELS])
-        while True:
-            try:
-                if self._dropped:
-                    dropped, self._dropped = self._dropped, set()
-                    gone = [SessionKeys(s).live for s in dropped if s not in self._readers]
-                    try:
-                        if gone:
-                            await self._pubsub.unsubscribe(*gone)
-                    except Exception:
-                        self._dropped |= dropped  # (tried again when Redis is back)
-                        raise
-                message = await self._pubsub.get_message(timeout=1.0)
-                if message is None or message.get("type") != "message":
-                    continue
-                origin, _, data = message["data"].partition(b" ")
-                if origin == self._origin:
-                    continue
-                channel = message["channel"].decode()
-                if channel == CANCELS:
-                    sid, _, turn_id = data.decode().partition(" ")
-                    self._cancelled(sid, turn_id)
-                else:
-                    sid = session_of(channel)
-                    for raw in data.split(b"\n"):
-                        self._deliver(sid, live_event(raw))
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                count_error()
-                log.warning("live events: %s; subscribing again in %ss", type(exc).__name__, RETRY_S)
-                await asyncio.sleep(RETRY_S)
-                await self._subscribe([CANCELS, *(SessionKeys(s).live for s in self._readers)])
+    def _again(self, channel: str) -> None:
+        if channel != CANCELS:
+            self._missed(session_of(channel))
+
+    def _heard(self, channel: str, message: bytes) -> None:
+        if message.startswith(b"@"):
+            self._committed(session_of(channel), message[1:].decode())
+            return
+        origin, _, data = message.partition(b" ")
+        if origin == self._origin:
+            return
+        if channel == CANCELS:
+            sid, _, turn_id = data.decode().partition(" ")
+            self._cancelled(sid, turn_id)
+        else:
+            sid = session_of(channel)
+            for raw in data.split(b"\n"):
+                self._deliver(sid, live_event(raw))

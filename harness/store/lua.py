@@ -46,16 +46,26 @@ end
 
 # `emit` appends one event; `first_seq` is the seq of the first event this script emitted (the
 # ones after it are consecutive), returned so the caller can build the envelopes it committed.
+# A script that emitted publishes the newest event's id on the session's channel as it answers
+# ("@<id>", sharded pub/sub in the session's slot: `live`), so readers in other processes hear
+# of the commit at once, and a crash after the commit cannot lose the notice.
 # `body` is the stored tail of an envelope (harness.events.event_body), for the events whose
 # turn id only the script knows.
 _EMIT = """
 local first_seq = 0
 local last_seq = 0
+local last_id = false
 local function emit(retention, etype, body)
   local seq = redis.call('HINCRBY', K.meta, 'seq', 1)
   if first_seq == 0 then first_seq = seq end
   last_seq = seq
-  return redis.call('XADD', K.outbox, 'MAXLEN', '~', retention, '*', 's', seq, 't', etype, 'b', body)
+  last_id = redis.call('XADD', K.outbox, 'MAXLEN', '~', retention, '*', 's', seq, 't', etype, 'b', body)
+  return last_id
+end
+local plain_reply = reply
+reply = function(t)
+  if last_id then redis.call('SPUBLISH', string.sub(K.meta, 1, -5) .. 'live', '@' .. last_id) end
+  return plain_reply(t)
 end
 local function body(turn_id, at, data_json)
   return '"turn_id":' .. cjson.encode(turn_id) .. ',"at":' .. at .. ',"data":' .. data_json .. '}'

@@ -9,11 +9,13 @@ import socket
 import time
 from typing import Any, NamedTuple
 
-from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ResponseError
 
-from harness.store.client import translated
-from harness.store.keys import JOBS, JOBS_GROUP
+from harness.store.client import Client, translated
+from harness.store.keys import JOBS, JOBS_GROUP, job_shard, job_streams
+
+CLUSTER_SHARDS = 8  # job streams on a cluster by default: spread over up to 8 primaries
 
 
 class Depth(NamedTuple):
@@ -33,7 +35,7 @@ class JobQueue:
     jobs ("session X has events for destination D") are a second one."""
 
     def __init__(
-        self, redis: Redis, *, consumer: str | None = None, stream: str = JOBS, group: str = JOBS_GROUP
+        self, redis: Client, *, consumer: str | None = None, stream: str = JOBS, group: str = JOBS_GROUP
     ) -> None:
         self.redis = redis
         self.consumer = consumer or consumer_name()
@@ -48,12 +50,6 @@ class JobQueue:
         except ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
-
-    @staticmethod
-    def job(sid: str) -> tuple[str, ...]:
-        """The command that adds the job for `sid` (sent with the write it goes with); its
-        reply is the job id."""
-        return ("XADD", JOBS, "*", "s", sid)
 
     @translated
     async def take(self, count: int, block_ms: int) -> list[tuple[str, str]]:
@@ -106,6 +102,35 @@ class JobQueue:
             pipe.xack(self.stream, self.group, *job_ids)
             pipe.xdel(self.stream, *job_ids)
             await pipe.execute()
+
+
+class JobShards:
+    """The turn job streams (`KEEL_JOB_SHARDS`): each session's jobs always on one of them, so
+    no one Redis node carries every job; a runner reads them all, each with a `JobQueue`.
+    `shards` 0: one stream on one server, `CLUSTER_SHARDS` on a cluster. Every process of a
+    deployment must read the same shards."""
+
+    def __init__(self, redis: Client, shards: int = 0, *, consumer: str | None = None) -> None:
+        if shards <= 0:
+            shards = CLUSTER_SHARDS if isinstance(redis, RedisCluster) else 1
+        self.queues = [JobQueue(redis, consumer=consumer, stream=s) for s in job_streams(shards)]
+
+    def of(self, sid: str) -> JobQueue:
+        return self.queues[job_shard(sid, len(self.queues))]
+
+    def job(self, sid: str) -> tuple[str, ...]:
+        """The command that adds the job for `sid` (sent with the write it goes with); its
+        reply is the job id."""
+        return ("XADD", self.of(sid).stream, "*", "s", sid)
+
+    async def ensure_groups(self) -> None:
+        for queue in self.queues:
+            await queue.ensure_group()
+
+    async def depth(self) -> Depth:
+        """Jobs not done on every shard; the oldest's age over them all."""
+        depths = [await q.depth() for q in self.queues]
+        return Depth(sum(d.jobs for d in depths), max(d.oldest_s for d in depths))
 
 
 def _stream_gone(exc: ResponseError) -> bool:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from harness.store import protocol as p
 from harness.store.client import translated
+from harness.store.clusterwire import AnyWire
 from harness.store.keys import QuotaKeys
-from harness.store.wire import Wire
 
 
 class RateBuckets:
-    def __init__(self, wire: Wire) -> None:
+    def __init__(self, wire: AnyWire) -> None:
         self.wire = wire
 
     @translated

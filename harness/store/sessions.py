@@ -11,19 +11,19 @@ from collections.abc import Sequence
 from typing import Any, TypeVar
 
 import msgspec
-from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 
 from harness.errors import Conflict, Limited, NotFound
 from harness.events import StoredEvent, envelope, event_body, made
 from harness.store import protocol as p
 from harness.store.cache import HistoryCache
-from harness.store.client import translated
+from harness.store.client import Client, translated
+from harness.store.clusterwire import wire_for
 from harness.store.deliveries import relay_job
 from harness.store.keys import TOKEN_SECRET, SessionKeys
-from harness.store.queue import JobQueue
+from harness.store.queue import JobShards
 from harness.store.turns import Turns
 from harness.store.types import Begun, Responded, Submitted
-from harness.store.wire import Wire
 from harness.types import (
     Answer,
     ApprovalRequest,
@@ -46,10 +46,17 @@ def _missing(sid: str) -> NotFound:
 
 class Store(Turns):
     def __init__(
-        self, redis: Redis, *, retention: int = 10_000, cache_sessions: int = 1024, max_queued: int = 0
+        self,
+        redis: Client,
+        *,
+        retention: int = 10_000,
+        cache_sessions: int = 1024,
+        max_queued: int = 0,
+        job_shards: int = 0,
     ) -> None:
         self.redis = redis
-        self.wire = Wire(redis)  # every script goes this way
+        self.wire = wire_for(redis)  # every script goes this way
+        self.jobs = JobShards(redis, job_shards)
         self.retention = retention
         self.max_queued = max_queued  # messages that may wait behind a session's current turn (0: any)
         self._known: dict[str, str] = {}  # session id -> owner, seen to exist
@@ -67,6 +74,10 @@ class Store(Turns):
         """Have Redis know every script before the first one runs. (A Redis that forgets them
         later, restarted or flushed, answers NOSCRIPT, and the caller loads and runs again; a
         submit then adds its job twice, which is harmless.)"""
+        if isinstance(self.redis, RedisCluster):  # (on every primary; redis-py's cluster pipeline has no SCRIPT LOAD)
+            for script in p.SCRIPTS:
+                await self.redis.script_load(script.source)
+            return
         async with self.redis.pipeline(transaction=False) as pipe:
             for script in p.SCRIPTS:
                 pipe.script_load(script.source)
@@ -182,7 +193,7 @@ class Store(Turns):
     @translated
     async def add_job(self, sid: str) -> str:
         """Queue a job for the session (it has work: an answer, a cancel). Returns its id."""
-        (job_id,) = await self.wire.call([JobQueue.job(sid)])
+        (job_id,) = await self.wire.call([self.jobs.job(sid)])
         if isinstance(job_id, Exception):
             raise job_id
         return str(job_id.decode())
@@ -207,7 +218,7 @@ class Store(Turns):
             self._remember(sid, owner)
         keys = script.keys(SessionKeys(sid))
         raw, job_id, *_ = await self.wire.script_with(
-            script.sha, script.source, keys, script.args(args), [JobQueue.job(sid), *also]
+            script.sha, script.source, keys, script.args(args), [self.jobs.job(sid), *also]
         )
         res = script.reply(raw)
         if isinstance(res, p.Missing):  # sessions are never deleted: only an owner mismatch gets here
@@ -334,8 +345,11 @@ class Store(Turns):
 
     @translated
     async def events(self, sid: str, after: str, count: int = 200) -> list[StoredEvent]:
-        """Events after stream id `after` ("0-0" = from the start)."""
-        raw: Any = await self.redis.xrange(
-            SessionKeys(sid).outbox, min=f"({after}" if after != "0-0" else "-", count=count
-        )
-        return [envelope(sid, eid, fields) for eid, fields in raw]
+        """Events after stream id `after` ("0-0" = from the start). By the wire: a reader's read,
+        on its path, and cancellable (redis-py's write, in `wait_for` on Python 3.11, can swallow
+        the cancellation of a reader that goes away)."""
+        start = f"({after}" if after != "0-0" else "-"
+        (raw,) = await self.wire.call([("XRANGE", SessionKeys(sid).outbox, start, "+", "COUNT", count)])
+        if isinstance(raw, Exception):
+            raise raw
+        return [envelope(sid, eid, dict(zip(f[::2], f[1::2], strict=True))) for eid, f in raw]

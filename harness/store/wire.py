@@ -27,25 +27,26 @@ TIMEOUT_S = 5.0  # a whole call, by default (redis-py's default socket timeout i
 IDLE_MAX = 256  # idle connections kept; more are closed on release
 
 
-class Wire:
-    """A small pool of its own: connections made from the client's settings with no socket
-    timeout, reused last-in first-out; one that shows data or end-of-file while idle (Redis
-    restarted, say) is replaced before use, as redis-py's pool does. At most as many open at
-    once as the client's pool allows."""
+class NotSent(ConnectionError):
+    """The connection could not be made: nothing was sent, so the call may be tried again."""
 
-    def __init__(self, redis: Redis, *, timeout: float | None = None) -> None:
-        main = redis.connection_pool
-        self.redis = redis
-        # a whole call's deadline: the one given, else a socket_timeout from the Redis URL
-        self.timeout = timeout or main.connection_kwargs.get("socket_timeout") or TIMEOUT_S
+
+class Pool:
+    """Connections to one Redis node, of its own: made from the client's settings with no
+    socket timeout, reused last-in first-out; one that shows data or end-of-file while idle
+    (Redis restarted, say) is replaced before use, as redis-py's pool does. At most `limit`
+    open at once."""
+
+    def __init__(self, make: type[AbstractConnection], kwargs: dict[str, Any], limit: int, timeout: float) -> None:
+        self.timeout = timeout
         self._kwargs = {
-            **main.connection_kwargs,
+            **kwargs,
             "socket_timeout": None,
-            # as app.redis_client: "auto" skips the liveness check of a pooled connection
+            # as client.connect: "auto" skips the liveness check of a pooled connection
             "maint_notifications_config": MaintNotificationsConfig(enabled=False),
         }
-        self._make = main.connection_class
-        self._max = main.max_connections
+        self._make = make
+        self._max = limit
         self._idle: list[AbstractConnection] = []
         self._in_use = 0
         self._closed = False
@@ -68,7 +69,7 @@ class Wire:
             await conn.disconnect()
         if self._in_use >= self._max:
             raise ConnectionError(f"too many Redis connections in use ({self._max})")
-        return self._make(**self._kwargs)  # it connects on its first write
+        return self._make(**self._kwargs)
 
     async def _release(self, conn: AbstractConnection) -> None:
         if conn.is_connected and len(self._idle) < IDLE_MAX and not self._closed:
@@ -79,12 +80,18 @@ class Wire:
     async def call(self, commands: Sequence[Sequence[Any]]) -> list[Any]:
         """Send `commands` in one write on a pooled connection and read all their replies, as a
         pipeline without a transaction does. An error reply comes back in its place as the
-        exception, not raised. Anything else that goes wrong (a connection error, the deadline,
-        a cancellation) drops the connection, whose replies may be unread, and is raised."""
+        exception, not raised. A connection that cannot be made raises `NotSent`; anything else
+        that goes wrong (a connection error, the deadline, a cancellation) drops the connection,
+        whose replies may be unread, and is raised: the commands may have run."""
         conn = await self._acquire()
         self._in_use += 1
         try:
             async with asyncio.timeout(self.timeout):
+                if not conn.is_connected:
+                    try:
+                        await conn.connect()  # type: ignore[no-untyped-call]
+                    except (ConnectionError, RedisTimeout, OSError) as exc:
+                        raise NotSent(f"cannot connect to Redis: {exc}") from exc
                 # (liveness is checked when a connection is taken from the pool, not by PING)
                 await conn.send_packed_command(pack(commands), check_health=False)
                 replies: list[Any] = []
@@ -104,6 +111,24 @@ class Wire:
             self._in_use -= 1
             await self._release(conn)
 
+
+class Wire:
+    """The hot path to one Redis server: a `Pool` made from the client's settings."""
+
+    def __init__(self, redis: Redis, *, timeout: float | None = None) -> None:
+        main = redis.connection_pool
+        self.redis = redis
+        # a whole call's deadline: the one given, else a socket_timeout from the Redis URL
+        self.timeout = timeout or main.connection_kwargs.get("socket_timeout") or TIMEOUT_S
+        self.pool = Pool(main.connection_class, main.connection_kwargs, main.max_connections, self.timeout)
+
+    async def close(self) -> None:
+        await self.pool.close()
+
+    async def call(self, commands: Sequence[Sequence[Any]]) -> list[Any]:
+        """`Pool.call` on the server's pool."""
+        return await self.pool.call(commands)
+
     async def script(self, sha: str, source: str, keys: Sequence[Any], args: Sequence[Any]) -> Any:
         """EVALSHA, its reply (see `script_with`)."""
         return (await self.script_with(sha, source, keys, args, ()))[0]
@@ -115,16 +140,22 @@ class Wire:
         the script (restarted, or SCRIPT FLUSH) did not run it: load it and send all again (what
         `also` did the first time is done twice: keel's `also` is a job, harmless twice). Error
         replies are raised."""
-        for attempt in range(2):
-            replies = await self.call([("EVALSHA", sha, len(keys), *keys, *args), *also])
-            if isinstance(replies[0], NoScriptError) and attempt == 0:
-                await self.redis.script_load(source)
-                continue
-            for reply in replies:
-                if isinstance(reply, Exception):
-                    raise reply
-            return replies
-        raise AssertionError("unreachable")
+        return await run_script(self.pool, sha, source, [("EVALSHA", sha, len(keys), *keys, *args), *also])
+
+
+async def run_script(pool: Pool, sha: str, source: str, commands: list[Sequence[Any]]) -> list[Any]:
+    """`commands` (an EVALSHA first) on `pool`; the script loaded there and all sent again if
+    the node did not know it. Error replies are raised."""
+    for attempt in range(2):
+        replies = await pool.call(commands)
+        if isinstance(replies[0], NoScriptError) and attempt == 0:
+            await pool.call([("SCRIPT", "LOAD", source)])
+            continue
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+        return replies
+    raise AssertionError("unreachable")
 
 
 def pack(commands: Sequence[Sequence[Any]]) -> bytes:

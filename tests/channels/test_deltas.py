@@ -123,7 +123,7 @@ async def test_a_reader_in_another_process_gets_the_deltas(make_harness: Any, re
         task = asyncio.create_task(read())
         await asyncio.wait_for(subscribed.wait(), 5)
         async with asyncio.timeout(5):  # the reader's process is subscribed to the session's live events
-            while not (await redis.pubsub_numsub(f"keel:{{{sid}}}:live"))[0][1]:  # noqa: ASYNC110 (Redis state)
+            while not (await redis.pubsub_shardnumsub(f"keel:{{{sid}}}:live"))[0][1]:  # noqa: ASYNC110 (Redis state)
                 await asyncio.sleep(0.01)
         await runner.submit(sid, "o", "hi")
         gate.set()

@@ -148,8 +148,11 @@ async def test_cancel_racing_an_answer_ends_the_turn_as_its_status_code_says(ser
         events = [json.loads(e.raw) for e in await store.events(sid, "0-0")]
         return cancelled.status_code, [e["type"] for e in events], events
 
-    async with live.client() as c:
-        outcomes = await asyncio.gather(*(race(c, n) for n in range(40)))
+    try:
+        async with live.client() as c:
+            outcomes = await asyncio.gather(*(race(c, n) for n in range(40)))
+    finally:
+        await store.close()
     for status, types, events in outcomes:
         first_end = next(t for t in types if t in ("turn.completed", "turn.cancelled"))
         assert first_end == ("turn.cancelled" if status == 202 else "turn.completed"), (status, types)

@@ -258,7 +258,7 @@ async def test_an_accepted_event_or_click_costs_one_redis_round_trip(
     from redis.asyncio.client import Pipeline
 
     from channels.webhooks import base
-    from harness.store.wire import Wire
+    from harness.store.wire import Pool
 
     window: contextvars.ContextVar[dict[str, bool] | None] = contextvars.ContextVar("window", default=None)
     trips: list[str] = []
@@ -284,7 +284,7 @@ async def test_an_accepted_event_or_click_costs_one_redis_round_trip(
             state["open"] = False
 
     monkeypatch.setattr(base, "perform", performing)
-    monkeypatch.setattr(Wire, "call", counting(Wire.call, "wire"))
+    monkeypatch.setattr(Pool, "call", counting(Pool.call, "wire"))
     monkeypatch.setattr(Redis, "execute_command", counting(Redis.execute_command, "redis"))
     monkeypatch.setattr(Pipeline, "execute", counting(Pipeline.execute, "pipeline"))
     c = await keel(echo_agent())

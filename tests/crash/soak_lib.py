@@ -46,7 +46,9 @@ from typing import Any
 
 import httpx
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 
+from harness.store.client import is_cluster_node
 from harness.store.keys import SessionKeys
 from tests.service import EventTail, Service
 
@@ -382,7 +384,9 @@ class Trial:
         started = time.monotonic()
         self._end = started + self.deadline_s
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.redis = Redis.from_url(self.redis_url)
+        self.redis = (
+            RedisCluster.from_url(self.redis_url) if is_cluster_node(self.redis_url) else Redis.from_url(self.redis_url)
+        )
         await self.redis.flushall()
         svc = Service(
             self.workdir,

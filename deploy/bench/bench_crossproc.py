@@ -1,0 +1,153 @@
+"""Cross-process event latency: how long a committed event takes to reach an SSE reader held by
+another keel process, against a reader on the process that committed it, in the same run.
+
+Two keel processes on one Redis (one Valkey server, or with `--cluster` a Valkey Cluster of 3
+primaries and 3 replicas): A runs the turns, B runs none (a web process in front). Each turn is
+posted to A; one SSE reader follows the session on A (same process: events handed over in
+memory) and one on B (the commit's notice comes by sharded pub/sub, then B reads the outbox).
+Latency is the reader's receipt time minus the event's `at` (stamped just before the commit is
+sent), so both include the commit's own round trip; B's minus A's is what crossing processes
+costs. Prints a table and a RESULT json line.
+
+    .venv/bin/python deploy/bench/bench_crossproc.py [--turns 300] [--cluster]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from support import (
+    HOST,
+    BenchError,
+    Deadline,
+    Server,
+    free_port,
+    keel_env,
+    new_loop,
+    on_signal,
+    percentile,
+    positive,
+    show_failure,
+    start_valkey,
+    stop_all,
+    wait_ready,
+)
+
+AGENT = "deploy.bench.agents:agent"
+
+
+class Reader:
+    """One SSE reader of the session: each event's id -> latency (s) as this reader saw it."""
+
+    def __init__(self, base: str, sid: str) -> None:
+        self.url = f"{base}/v1/sessions/{sid}/events"
+        self.got: dict[str, float] = {}
+        self.ready = asyncio.Event()
+        self.last = ""  # the run's last event id, once known
+        self.done = asyncio.Event()  # ... and seen
+
+    async def run(self) -> None:
+        async with httpx.AsyncClient(timeout=None) as c, c.stream("GET", self.url) as r:
+            self.ready.set()
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    now = time.time()
+                    event = json.loads(line[6:])
+                    if "id" in event:
+                        self.got[event["id"]] = now - event["at"]
+                        if event["id"] == self.last:
+                            self.done.set()
+
+    def expect(self, last: str) -> None:
+        self.last = last
+        if last in self.got:
+            self.done.set()
+
+
+async def measure(a: Server, b: Server, turns: int) -> dict[str, Any]:
+    async with httpx.AsyncClient(base_url=f"http://{HOST}:{a.port}", timeout=30) as c:
+        sid = (await c.post("/v1/sessions")).json()["session_id"]
+        readers = [Reader(f"http://{HOST}:{s.port}", sid) for s in (a, b)]
+        tasks = [asyncio.create_task(r.run()) for r in readers]
+        try:
+            await asyncio.wait_for(asyncio.gather(*(r.ready.wait() for r in readers)), 10)
+            last = ""
+            for n in range(turns):
+                r = await c.post(f"/v1/sessions/{sid}/messages?wait=true", json={"text": f"t{n}"})
+                if r.status_code != 200:
+                    raise BenchError(f"turn {n}: {r.status_code} {r.text[:200]}")
+                last = r.json()["events"][-1]["id"]
+            for reader in readers:
+                reader.expect(last)
+            await asyncio.wait_for(asyncio.gather(*(r.done.wait() for r in readers)), 10)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+    same, cross = readers[0].got, readers[1].got
+    if set(same) != set(cross):
+        raise BenchError(f"the readers saw different events: {len(same)} on A, {len(cross)} on B")
+    ms = {name: sorted(v * 1000 for v in got.values()) for name, got in (("same", same), ("cross", cross))}
+    extra = sorted((cross[k] - same[k]) * 1000 for k in same)
+    out: dict[str, Any] = {"turns": turns, "events": len(same)}
+    for name, xs in (*ms.items(), ("cross_minus_same", extra)):
+        out[name] = {"p50_ms": round(percentile(xs, 50), 3), "p99_ms": round(percentile(xs, 99), 3)}
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--turns", type=positive, default=300)
+    p.add_argument("--cluster", action="store_true", help="a Valkey Cluster (3 primaries, 3 replicas)")
+    args = p.parse_args()
+    signal.signal(signal.SIGTERM, on_signal)
+    deadline = Deadline(300)
+    work = Path(tempfile.mkdtemp(prefix="keel-bench-crossproc-"))
+    valkey = cluster = None
+    servers: list[Server] = []
+    try:
+        if args.cluster:
+            from tests.cluster import ValkeyCluster
+
+            cluster = ValkeyCluster()
+            cluster.start()
+            port = cluster.primaries[0]
+        else:
+            valkey, port = start_valkey(work, deadline)
+        for name, extra in (("A", {}), ("B", {"KEEL_RUN_TURNS": "0"})):
+            s = Server(name, free_port(), work / f"{name}.log")
+            (work / name).mkdir()
+            s.start([sys.executable, "-m", "app"], keel_env(port, s, work / name, AGENT, extra))
+            servers.append(s)
+        with asyncio.Runner(loop_factory=new_loop) as runner:
+            for s in servers:
+                runner.run(wait_ready(s, deadline))
+            result = runner.run(measure(servers[0], servers[1], args.turns))
+    except (BenchError, OSError, httpx.HTTPError) as exc:
+        return show_failure("bench_crossproc", exc, servers)
+    finally:
+        stop_all(servers, valkey)
+        if cluster is not None:
+            cluster.stop()
+    result["redis"] = "cluster" if args.cluster else "server"
+    print(f"{'reader':<22}{'p50 ms':>10}{'p99 ms':>10}")
+    for name in ("same", "cross", "cross_minus_same"):
+        print(f"{name:<22}{result[name]['p50_ms']:>10.3f}{result[name]['p99_ms']:>10.3f}")
+    print("RESULT " + json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

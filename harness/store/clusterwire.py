@@ -1,0 +1,188 @@
+"""The turn's command path on a Redis Cluster: each command to the primary that owns its key's
+slot, over a `Pool` of that node, with the cluster's redirections followed here.
+
+Why not redis-py's `RedisCluster.execute_command`: besides its cost per command (measured in
+deploy/bench/bench_cluster_wire.py), it sends a command again after a connection error, when
+the command may already have run, and keel's COMMIT must never run twice; and on CLUSTERDOWN it
+closes every connection of the client, those of other tasks' calls in flight too. Here a call
+is sent again only when it is known not to have run: a MOVED, ASK, TRYAGAIN or CLUSTERDOWN
+reply (Redis refused it) or a connection that could not be made (`NotSent`). The slot map is
+redis-py's (`nodes_manager`): a MOVED patches it; a node that cannot be reached or a CLUSTERDOWN
+makes it read again. Retries stop after `REDIRECT_S`, and the last error is the answer.
+
+Every command keel sends this way names its key first (`XADD key ...`, `SPUBLISH channel ...`;
+EVALSHA's first key), and commands of one call that share a slot go in one write.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Sequence
+from typing import Any
+
+from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.crc import key_slot
+from redis.exceptions import AskError, ClusterDownError, MovedError, NoScriptError, TryAgainError
+
+from harness.store.client import Client
+from harness.store.wire import TIMEOUT_S, NotSent, Pool, Wire
+
+REDIRECT_S = 10.0  # how long a call follows redirections and waits out a failover
+BACKOFF_S = (0.02, 0.05, 0.1, 0.2, 0.4, 0.5)  # waits between tries that found no owner
+
+
+def wire_for(client: Client) -> AnyWire:
+    """The hot path for the process's client: to one server, or over a cluster."""
+    return ClusterWire(client) if isinstance(client, RedisCluster) else Wire(client)
+
+
+def key_of(command: Sequence[Any]) -> bytes:
+    """The key a command is routed by: EVALSHA's first key, else its first argument."""
+    key = command[3] if command[0] in ("EVALSHA", "EVAL") else command[1]
+    return key if isinstance(key, bytes) else str(key).encode()
+
+
+class ClusterWire:
+    def __init__(self, cluster: RedisCluster, *, timeout: float | None = None) -> None:
+        self.cluster = cluster
+        self.timeout = timeout or TIMEOUT_S
+        self._pools: dict[str, Pool] = {}
+        self._ready = False
+
+    async def close(self) -> None:
+        pools, self._pools = self._pools, {}
+        for pool in pools.values():
+            await pool.close()
+
+    async def call(self, commands: Sequence[Sequence[Any]]) -> list[Any]:
+        """Each command on its slot's owner (one write per slot, the slots at once); every reply
+        in order, an error reply as the exception in its place (as `Pool.call`)."""
+        by_slot: dict[int, list[int]] = {}
+        for n, command in enumerate(commands):
+            by_slot.setdefault(key_slot(key_of(command)), []).append(n)
+        replies: list[Any] = [None] * len(commands)
+        groups = list(by_slot.items())
+        if len(groups) == 1:
+            done = [await self._on_slot(groups[0][0], [commands[n] for n in groups[0][1]])]
+        else:
+            done = await asyncio.gather(*(self._on_slot(slot, [commands[n] for n in idx]) for slot, idx in groups))
+        for (_, idx), got in zip(groups, done, strict=True):
+            for n, reply in zip(idx, got, strict=True):
+                replies[n] = reply
+        return replies
+
+    async def script(self, sha: str, source: str, keys: Sequence[Any], args: Sequence[Any]) -> Any:
+        return (await self.script_with(sha, source, keys, args, ()))[0]
+
+    async def script_with(
+        self, sha: str, source: str, keys: Sequence[Any], args: Sequence[Any], also: Sequence[Sequence[Any]]
+    ) -> list[Any]:
+        """The script on its session's node, then (only once it has run) the commands `also`,
+        which live in other slots: a job added after the write it stands for, as on one server.
+        Error replies are raised."""
+        evalsha = ("EVALSHA", sha, len(keys), *keys, *args)
+        slot = key_slot(key_of(evalsha))
+        for attempt in range(2):
+            (reply,) = await self._on_slot(slot, [evalsha])
+            if isinstance(reply, NoScriptError) and attempt == 0:
+                await self._load(slot, source)
+                continue
+            if isinstance(reply, Exception):
+                raise reply
+            break
+        rest = await self.call(also) if also else []
+        for r in rest:
+            if isinstance(r, Exception):
+                raise r
+        return [reply, *rest]
+
+    async def _load(self, slot: int, source: str) -> None:
+        (reply,) = await self._on_slot(slot, [("SCRIPT", "LOAD", source)], routed=False)
+        if isinstance(reply, Exception):
+            raise reply
+
+    # ---- one slot ------------------------------------------------------------------------
+
+    async def _on_slot(self, slot: int, commands: list[Sequence[Any]], *, routed: bool = True) -> list[Any]:
+        """`commands` (all in `slot`) on the slot's owner, redirections followed: a command
+        refused with MOVED, ASK, TRYAGAIN or CLUSTERDOWN is sent again (alone with the others
+        refused), until `REDIRECT_S` has passed."""
+        if not self._ready:
+            await self.cluster.initialize()
+            self._ready = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + REDIRECT_S
+        replies: list[Any] = [None] * len(commands)
+        todo = list(range(len(commands)))
+        ask: AskError | None = None
+        tries = 0
+        while True:
+            node = self._asked(ask) if ask is not None else self._owner(slot)
+            batch: list[Sequence[Any]] = [commands[n] for n in todo]
+            try:
+                got = await self._pool(node).call([("ASKING",), *batch] if ask is not None else batch)
+            except NotSent:
+                if loop.time() >= deadline:
+                    raise
+                await self._wait(tries)
+                tries += 1
+                await self._refresh()
+                ask = None
+                continue
+            if ask is not None:
+                got = got[1:]
+            ask = None
+            again: list[int] = []
+            wait = refresh = False
+            for n, reply in zip(todo, got, strict=True):
+                replies[n] = reply
+                if not routed:
+                    continue
+                if isinstance(reply, MovedError):
+                    await self.cluster.nodes_manager.move_slot(reply)
+                elif isinstance(reply, AskError):
+                    ask = reply  # (the commands of one slot are asked on together)
+                elif isinstance(reply, TryAgainError):
+                    wait = True  # (a multi-key command while its keys move: soon, all on one side)
+                elif isinstance(reply, ClusterDownError):
+                    wait = refresh = True
+                else:
+                    continue
+                again.append(n)
+            if not again or loop.time() >= deadline:
+                return replies
+            todo = again
+            if wait:
+                await self._wait(tries)
+                tries += 1
+            if refresh:
+                await self._refresh()
+
+    def _owner(self, slot: int) -> ClusterNode:
+        return self.cluster.nodes_manager.get_node_from_slot(slot)
+
+    def _asked(self, ask: AskError) -> ClusterNode:
+        node = self.cluster.get_node(host=ask.host, port=ask.port)
+        if node is None:  # (a node the map does not have yet)
+            node = ClusterNode(ask.host, ask.port, **self.cluster.nodes_manager.connection_kwargs)
+        return node
+
+    def _pool(self, node: ClusterNode) -> Pool:
+        pool = self._pools.get(node.name)
+        if pool is None:
+            kwargs = {**node.connection_kwargs, "host": node.host, "port": node.port}
+            pool = self._pools[node.name] = Pool(node.connection_class, kwargs, node.max_connections, self.timeout)
+        return pool
+
+    async def _refresh(self) -> None:
+        """Read the slot map again (calls that meet a failover together read it once)."""
+        with contextlib.suppress(Exception):  # (no node answers yet: the next try reads it again)
+            await self.cluster.nodes_manager.initialize()
+
+    @staticmethod
+    async def _wait(tries: int) -> None:
+        await asyncio.sleep(BACKOFF_S[min(tries, len(BACKOFF_S) - 1)])
+
+
+AnyWire = Wire | ClusterWire  # the store's hot path: `wire_for` picks one
