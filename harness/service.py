@@ -150,6 +150,11 @@ class Harness(SessionReads):
         await self.relay.start()
         return self.relay
 
+    async def hand_over(self, timeout: float) -> int:
+        """The process drains: its running turns go to other processes at once (`Runner.hand_over`).
+        Returns how many sessions were handed over."""
+        return await self.runner.hand_over(timeout) if self.runner is not None else 0
+
     async def stop(self) -> None:
         for task in list(self._tasks):
             task.cancel()

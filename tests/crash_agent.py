@@ -4,6 +4,7 @@ them across processes that die."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 
@@ -56,3 +57,17 @@ compacting = Agent(
     context_window=400,
     compaction=Compaction(keep_turns=1),
 )
+
+
+async def blocking(request: ModelRequest) -> ModelReply:
+    """As `script`, but with $KEEL_TEST_BLOCK set a model call for a message that starts with
+    "slow " never returns (logged first, as {"blocked": turn id}): the turn is running in this
+    process for as long as the test likes. A process without it answers at once."""
+    last = request.messages[-1]
+    if os.environ.get("KEEL_TEST_BLOCK") and last.role == "user" and last.text.startswith("slow "):
+        log({"blocked": request.turn_id, "pid": os.getpid()})
+        await asyncio.Event().wait()
+    return script(request)
+
+
+slow = Agent(instructions="You charge cards when asked.", tools=[charge], model=ScriptedModel(blocking, keep=0))
