@@ -124,6 +124,7 @@ class Settings:
     max_queued: int = 100  # messages waiting behind a session's current turn
     max_readers: int = 32  # SSE streams and websockets on one session, per process
     max_token_sockets: int = 8  # websockets opened with one session token, per process
+    drain_s: float = 10.0  # SIGTERM: the drain's bound, then the process exits
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> Settings:
@@ -171,6 +172,7 @@ class Settings:
             max_queued=_int(env, "KEEL_MAX_QUEUED", 100, low=1),
             max_readers=_int(env, "KEEL_MAX_SESSION_EVENTS_READERS", 32, low=1),
             max_token_sockets=_int(env, "KEEL_MAX_TOKEN_SOCKETS", 8, low=1),
+            drain_s=_float(env, "KEEL_DRAIN_S", 10.0),
         )
         if settings.log_format not in ("text", "json"):
             raise SettingsError(f"KEEL_LOG_FORMAT must be text or json, not {settings.log_format!r}")
