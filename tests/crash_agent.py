@@ -71,13 +71,16 @@ async def hold(seconds: float, ctx: ToolContext) -> str:
 async def blocking(request: ModelRequest) -> ModelReply:
     """As `script`, but with $KEEL_TEST_BLOCK set a model call for a message that starts with
     "slow " never returns (logged first, as {"blocked": turn id}): the turn is running in this
-    process for as long as the test likes. A process without it answers at once. "hold N"
-    calls the slow tool."""
+    process for as long as the test likes. A process without it answers at once. "think N"
+    takes N seconds to answer; "hold N" calls the slow tool."""
     log({"model": request.step, "turn": request.turn_id, "pid": os.getpid()})
     last = request.messages[-1]
     if os.environ.get("KEEL_TEST_BLOCK") and last.role == "user" and last.text.startswith("slow "):
         log({"blocked": request.turn_id, "pid": os.getpid()})
         await asyncio.Event().wait()
+    if last.role == "user" and last.text.startswith("think "):  # a model call that takes its time
+        await asyncio.sleep(float(last.text[6:]))
+        return ModelReply(text=f"thought {last.text[6:]}")
     if last.role == "user" and last.text.startswith("hold "):
         return ModelReply(tool_calls=[ToolCall("hold", {"seconds": float(last.text[5:])})])
     if last.role == "tool":
