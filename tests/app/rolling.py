@@ -327,7 +327,7 @@ async def rolling_restart(
 
 async def check(c: Client, redis: Redis, tally: Tally) -> None:
     """The client's events against the session's outbox, once it has caught up with it."""
-    raw = await redis.xrange(f"keel:{{{c.sid}}}:outbox")
+    raw: list[tuple[bytes, dict[bytes, bytes]]] = await redis.xrange(f"keel:{{{c.sid}}}:outbox")  # type: ignore[assignment]
     stored = [(i.decode(), f[b"t"].decode(), json.loads(b"{" + f[b"b"])) for i, f in raw]
     last = stored[-1][0]
     try:
