@@ -124,6 +124,7 @@ class Runner:
             await self.store.add_job(sid)
         if done := [job for jobs in given.values() for job in jobs]:
             await self.queue.done(*done)
+        self.stats.handed_over += len(given)
         return len(given)
 
     def interrupt(self, sid: str, turn_id: str) -> None:

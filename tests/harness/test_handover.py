@@ -64,6 +64,7 @@ async def test_a_drain_hands_a_blocked_turn_to_another_runner_at_once(make_harne
     assert types.count("message.completed") == 1 and "turn.cancelled" not in types
     assert [e["data"].get("failed") for e in turn.events if e["type"] == "usage.recorded"] == [True, None]
     assert (await two.session(sid, "anon")).usage["model_calls"] == 2  # the cut attempt counted too
+    assert two.stats.lease_takeovers == 0 and one.stats.handed_over == 1  # given, not taken from a lapsed lease
     history = await two.history(sid, "anon")
     assert [(i.role, i.text) for i in history] == [("user", "hello"), ("assistant", "re: hello")]
 
