@@ -111,9 +111,14 @@ class Runner:
         self.calls.hand_over()
         for wake in self._busy.values():
             wake.set()
-        # (the job reader ends after its current read: block_ms at most; a turn, at its model call)
-        while (running := {t for t in (self._main, *self._tasks) if t and not t.done()}) and loop.time() < deadline:
-            await asyncio.wait(running, timeout=deadline - loop.time())
+        # The job reader ends after its current read (block_ms at most), a turn at its model call,
+        # a session held for a submit (`reserve`) once the submit is back and its turn handed over.
+        while (self._active or (self._main and not self._main.done())) and loop.time() < deadline:
+            running = {t for t in (self._main, *self._tasks) if t and not t.done()}
+            if running:
+                await asyncio.wait(running, timeout=deadline - loop.time())
+            else:
+                await asyncio.sleep(0.01)
         held = dict(self._holding)  # leases of turns still running: cancelled now, released below
         await self.stop()
         for sid, fence in held.items():
@@ -126,10 +131,6 @@ class Runner:
             await self.queue.done(*done)
         self.stats.handed_over += len(given)
         return len(given)
-
-    def interrupt(self, sid: str, turn_id: str) -> None:
-        """A cancel of the turn was asked for: if its model call is running here, stop it."""
-        self.calls.interrupt(sid, turn_id)
 
     def kick(self, sid: str, job_id: str) -> None:
         """Run the session now: this process accepted a message for it (job `job_id`)."""

@@ -103,8 +103,9 @@ class Harness(SessionReads):
         return harness
 
     def _interrupt(self, sid: str, turn_id: str) -> None:
+        """A cancel of the turn was asked for: if its model call is running here, stop it."""
         if self.runner is not None:
-            self.runner.interrupt(sid, turn_id)
+            self.runner.calls.interrupt(sid, turn_id)
 
     def _runs_here(self, sid: str) -> bool:
         return self.runner is not None and self.runner.runs(sid)
