@@ -31,6 +31,7 @@ typecheck: install
 	cd deploy && MYPYPATH=bench:.. ../$(BIN)/mypy --strict smoke.py
 	cd deploy && MYPYPATH=bench ../$(BIN)/mypy --strict ws_load.py
 	cd deploy && MYPYPATH=.. ../$(BIN)/mypy --strict slack_demo.py
+	cd deploy && MYPYPATH=.. ../$(BIN)/mypy --strict rolling_restart.py
 
 # Debian's chromium for tests/browser: installed when missing and this is root with apt;
 # otherwise those tests are skipped, saying why.

@@ -17,6 +17,7 @@ from app.metrics import PATH as METRICS_PATH
 from app.metrics import Metrics, Sources
 from app.settings import Settings
 from channels.auth import ApiKeyAuth
+from channels.drain import Drain, DrainGate
 from channels.errors import http_error_handler, keel_error_handler
 from channels.limits import Occupancy
 from channels.requestid import RequestIds
@@ -122,7 +123,7 @@ def create_app(
                 await channel.stop()
             await outbound.stop()
 
-    ws_stats, sse_stats = WsStats(), SseStats()
+    ws_stats, sse_stats, drain = WsStats(), SseStats(), Drain()
     metrics = Metrics(Sources(lambda: getattr(app.state, "harness", None), ws=ws_stats, sse=sse_stats))
     app = Starlette(
         routes=[
@@ -131,6 +132,7 @@ def create_app(
         ],
         middleware=[
             Middleware(RequestIds),
+            Middleware(DrainGate, drain=drain),
             Middleware(
                 ApiKeyAuth,
                 keys=settings.api_keys,
@@ -150,6 +152,7 @@ def create_app(
     app.state.wait_timeout = settings.wait_timeout
     app.state.sse_heartbeat = settings.sse_heartbeat
     app.state.ws_stats = ws_stats
+    app.state.drain = drain
     app.state.sse_stats = sse_stats
     app.state.ws_gate = asyncio.Semaphore(OPENING_AT_ONCE)
     app.state.readers = Occupancy(settings.max_readers, "readers of this session", "too_many_readers")

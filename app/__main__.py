@@ -12,6 +12,7 @@ import uvicorn
 
 from app import create_app
 from app.embedded import EmbeddedError, EmbeddedValkey
+from app.lifecycle import KeelServer
 from app.logs import configure as configure_logs
 from app.settings import Settings, SettingsError
 from app.wsproto import KeelWebSocketProtocol
@@ -43,7 +44,7 @@ def uvicorn_options(settings: Settings) -> dict[str, Any]:
     return {
         "log_config": None,  # uvicorn's lines go through keel's handler (format, redaction): app/logs.py
         "log_level": settings.log_level,
-        "timeout_graceful_shutdown": 5,
+        "timeout_graceful_shutdown": 5,  # (after a drain: what is left of KEEL_DRAIN_S)
         "ws": KeelWebSocketProtocol,  # websockets-sansio, closing refused messages and handshakes properly
         "ws_max_size": settings.ws_max_frame,
         "ws_ping_interval": 20.0,
@@ -68,7 +69,8 @@ def main() -> int:
         return 1
     try:
         app = create_app(settings, redis_url=url)
-        uvicorn.run(app, host=settings.host, port=settings.port, **uvicorn_options(settings))
+        config = uvicorn.Config(app, host=settings.host, port=settings.port, **uvicorn_options(settings))
+        KeelServer(config, app, settings.drain_s).run()
     finally:
         if embedded is not None:
             embedded.stop()

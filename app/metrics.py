@@ -93,11 +93,14 @@ class KeelCollector(Collector):
             "keel_turn_duration_seconds", "a turn's run, from begin to end or pause", {"": stats.turn_seconds}
         )
         yield _histogram("keel_model_call_duration_seconds", "one model attempt", {"": stats.model_seconds})
-        yield _counter("keel_model_attempts", "model attempts by outcome (ok, interrupted, error code)",
+        yield _counter("keel_model_attempts", "model attempts by outcome (ok, interrupted, handed_over, error code)",
                        stats.model_attempts, "outcome")  # fmt: skip
         yield _histogram("keel_tool_duration_seconds", "one tool run", stats.tool_seconds, "tool")
         yield CounterMetricFamily(
             "keel_lease_takeovers", "turns resumed here after another runner's lease lapsed", stats.lease_takeovers
+        )
+        yield CounterMetricFamily(
+            "keel_sessions_handed_over", "sessions given to other runners when this process drained", stats.handed_over
         )
         yield _counter("keel_events_committed", "events this process committed", stats.events, "type")
         relay = harness.relay

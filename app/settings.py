@@ -125,6 +125,7 @@ class Settings:
     max_readers: int = 32  # SSE streams and websockets on one session, per process
     max_token_sockets: int = 8  # websockets opened with one session token, per process
     job_shards: int = 0  # turn job streams (0: 1 on one server, 8 on a cluster)
+    drain_s: float = 10.0  # SIGTERM: the drain's bound, then the process exits
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> Settings:
@@ -173,6 +174,7 @@ class Settings:
             max_readers=_int(env, "KEEL_MAX_SESSION_EVENTS_READERS", 32, low=1),
             max_token_sockets=_int(env, "KEEL_MAX_TOKEN_SOCKETS", 8, low=1),
             job_shards=_int(env, "KEEL_JOB_SHARDS", 0, low=0),
+            drain_s=_float(env, "KEEL_DRAIN_S", 10.0),
         )
         if settings.log_format not in ("text", "json"):
             raise SettingsError(f"KEEL_LOG_FORMAT must be text or json, not {settings.log_format!r}")

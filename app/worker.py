@@ -30,6 +30,12 @@ async def run(settings: Settings, url: str) -> None:
         await serve_worker_metrics(harness, settings, stop)
     else:
         await stop.wait()
+    log.info("worker draining (at most %.1f s)", settings.drain_s)
+    try:  # the turns running here go to other processes at once (README: Process lifecycle)
+        handed = await harness.hand_over(settings.drain_s)
+        log.info("drained: %d turns handed over", handed)
+    except Exception as exc:  # (Redis gone: the jobs stay pending, and are reclaimed)
+        log.warning("drain: handing the turns over failed: %s", exc)
     await harness.stop()
 
 

@@ -19,6 +19,7 @@ from starlette.routing import BaseRoute, Route, WebSocketRoute
 
 from channels.answers import ErrorEnvelope, MessageDelta, WsError, WsHeartbeat, WsPong
 from channels.auth import protected
+from channels.drain import OPEN_PATHS
 from channels.spec import Answer, Operation, operation, operation_of
 from harness.reads import SESSION_ID
 from harness.types import Event
@@ -93,6 +94,9 @@ def _errors(path: str, op: Operation) -> dict[int, str]:
         errors.setdefault(401, "`unauthorized`: no valid API key")
     if op.storage:
         errors.setdefault(503, "`unavailable`: storage did not answer; retry (Retry-After)")
+    if path not in OPEN_PATHS and op.websocket is None:  # (channels.drain: a process shutting down refuses)
+        draining = "`draining`: this process is shutting down; retry (Retry-After), another will answer"
+        errors[503] = f"{errors[503]}; or {draining}" if 503 in errors else draining
     return errors
 
 

@@ -2,17 +2,22 @@
 
 `id:` is the event id (a Redis stream id), `event:` its type, `data:` the envelope. A client
 resumes with `Last-Event-ID` (EventSource does this itself) or `?after=`; a comment line is sent
-as a heartbeat when nothing happened for a while."""
+as a heartbeat when nothing happened for a while. The stream ends (cleanly) only when the process
+drains: the client reconnects, to another process, after its last event."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.types import Message, Receive, Scope, Send
 
+from channels.drain import Drain
 from channels.http import NOT_FOUND, harness_of, owner_of
 from channels.limits import HeldStream, Occupancy
 from channels.spec import Answer, Param, operation
@@ -40,7 +45,8 @@ EVENT_ID = {"type": "string", "pattern": "^[0-9]{1,20}-[0-9]{1,20}$"}
         200,
         str,
         "`id:` the event id, `event:` its type, `data:` the envelope (`Event`, or a `MessageDelta` without "
-        "`id:`); a `:` comment line as a heartbeat. The stream does not end by itself.",
+        "`id:`); a `:` comment line as a heartbeat. The stream ends only when the process shuts down: "
+        "reconnect with Last-Event-ID.",
         media="text/event-stream",
     ),
     errors={**NOT_FOUND, 400: "`invalid_event_id`", 429: "`too_many_readers` of this session (Retry-After)"},
@@ -76,4 +82,41 @@ async def stream_events(request: Request) -> Response:
 
     readers: Occupancy = request.app.state.readers
     readers.take(sid)  # (429 too_many_readers when the session has its fill of them here)
-    return HeldStream(body(), functools.partial(readers.give, sid), media_type="text/event-stream", headers=HEADERS)
+    on_end = functools.partial(readers.give, sid)
+    drain: Drain = request.app.state.drain
+    return EventStream(body(), on_end, drain, media_type="text/event-stream", headers=HEADERS)
+
+
+class EventStream(HeldStream):
+    """An event stream that ends, cleanly (its last chunk sent), when the process drains."""
+
+    def __init__(self, content: Any, on_end: Callable[[], None], drain: Drain, **kw: Any) -> None:
+        super().__init__(content, on_end, **kw)
+        self.drain = drain
+        self.drained = False
+
+    async def listen_for_disconnect(self, receive: Receive) -> None:
+        """The client went away, or the process drains: either ends the stream (Starlette then
+        cancels the task writing it)."""
+        left = asyncio.ensure_future(super().listen_for_disconnect(receive))
+        drained = asyncio.ensure_future(self.drain.begun.wait())
+        try:
+            done, _ = await asyncio.wait((left, drained), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            left.cancel()
+            drained.cancel()
+        self.drained = left not in done
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        started = False
+
+        async def sending(message: Message) -> None:
+            nonlocal started
+            started = True
+            await send(message)
+
+        await super().__call__(scope, receive, sending)
+        if self.drained:  # (whole chunks went out, or none: a write is not cut in the middle)
+            if not started:
+                await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})

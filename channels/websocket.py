@@ -13,7 +13,8 @@ Close codes: 4401 no valid key or token, 4403 origin not allowed, 4404 unknown s
 another owner's), 4400 a bad `after`, 4429 the session has its fill of readers in this process
 (or the token of websockets), 1009 a frame over the size limit, 1003 a binary frame,
 1008 too many bad frames in a row, 1013 the client does not read fast enough (its send queue
-stayed full), 1012 the server is restarting (sent by uvicorn on shutdown: reconnect).
+stayed full), 1012 the server is restarting (its process drains: reconnect, to another process,
+with the last event id).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import msgspec
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from channels.answers import ErrorDetail, WsError, WsHeartbeat, WsPong
+from channels.drain import RESTART, Drain
 from channels.limits import Occupancy
 from channels.spec import Answer, Param, operation
 from channels.tokens import TokenSigner
@@ -107,7 +109,7 @@ async def session_socket(ws: WebSocket) -> None:
         async with gate:  # a thousand sockets opening at once take turns at Redis
             sid, owner, after, token = await _admit(ws, harness, config, ws.app.state.tokens)
         with _held(ws.app.state.readers, sid), _held(ws.app.state.token_sockets, token):
-            await Connection(ws, harness, config, sid, owner, gate=gate).run(after)
+            await Connection(ws, harness, config, sid, owner, gate=gate, drain=ws.app.state.drain).run(after)
     except Unavailable as exc:  # storage gone for a moment: the client reconnects after its last event
         log.warning("session socket: %s", exc.message)
         await _close(ws, stats, Closed(1013, "storage unavailable; reconnect"))
@@ -171,10 +173,19 @@ class Connection:
     bounded queue of frames."""
 
     def __init__(
-        self, ws: WebSocket, harness: Harness, config: WsConfig, sid: str, owner: str, *, gate: asyncio.Semaphore
+        self,
+        ws: WebSocket,
+        harness: Harness,
+        config: WsConfig,
+        sid: str,
+        owner: str,
+        *,
+        gate: asyncio.Semaphore,
+        drain: Drain,
     ) -> None:
         self.ws, self.harness, self.config, self.sid, self.owner = ws, harness, config, sid, owner
         self.gate = gate
+        self.drain = drain
         self.queue: asyncio.Queue[str | bytes] = asyncio.Queue(config.send_queue)
         self.bad = 0
         self.rid = request_id.get() or ""  # the socket's (RequestIds); each frame's is <it>.<n>
@@ -184,7 +195,8 @@ class Connection:
         follower = asyncio.create_task(self._follow(after))
         writer = asyncio.create_task(self._write())
         reader = asyncio.create_task(self._read())
-        tasks = (follower, writer, reader)
+        restart = asyncio.create_task(self._drained())
+        tasks = (follower, writer, reader, restart)
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
@@ -194,6 +206,10 @@ class Connection:
             for task in tasks:  # the others' endings are read too (one ended it; theirs follow from it)
                 if not task.cancelled():
                     task.exception()
+
+    async def _drained(self) -> None:
+        await self.drain.begun.wait()
+        raise Closed(RESTART, "the server is restarting; reconnect")
 
     async def _follow(self, after: str) -> None:
         async for event in self.harness.tail(self.sid, after, heartbeat=self.config.heartbeat, gate=self.gate):

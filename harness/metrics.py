@@ -62,9 +62,10 @@ class HarnessStats:
     events: dict[str, int] = field(default_factory=dict)  # event type -> committed by this process
     turn_seconds: Histogram = field(default_factory=Histogram)  # a turn's run here, begin to settle or pause
     model_seconds: Histogram = field(default_factory=Histogram)  # one model attempt
-    model_attempts: dict[str, int] = field(default_factory=dict)  # "ok", "interrupted" or the error code
+    model_attempts: dict[str, int] = field(default_factory=dict)  # "ok", "interrupted", "handed_over", error code
     tool_seconds: dict[str, Histogram] = field(default_factory=dict)  # tool name -> its runs
     lease_takeovers: int = 0  # turns this process resumed from a runner whose lease lapsed
+    handed_over: int = 0  # sessions this process gave to other runners when it drained
 
     def committed(self, events: list[StoredEvent]) -> None:
         counts = self.events

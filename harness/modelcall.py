@@ -4,7 +4,8 @@ limit, an overloaded or unreachable provider, a cut or idle stream) tried again 
 exponential backoff with jitter, or after the provider's `retry-after`, up to
 `Agent.model_retries` more times. The retries are keel's: provider clients are made with theirs
 off, so every attempt is counted and shown. A cancel of the turn (`interrupt`) closes the
-provider's stream or ends the backoff at once, and no further attempt is made."""
+provider's stream or ends the backoff at once, and no further attempt is made. A drain of the
+process (`Calls.hand_over`) does the same without ending the turn: `HandedOver`."""
 
 from __future__ import annotations
 
@@ -47,6 +48,32 @@ class Interrupted(Exception):
     the turn ends cancelled (a signal, not a failure)."""
 
 
+class HandedOver(Exception):
+    """This process is draining: the turn stops at its model call (the provider's stream
+    closed, or no attempt made) without committing anything of the call, so that another process
+    takes the turn over from its last commit (a signal, not a failure)."""
+
+
+class Calls:
+    """The model calls in progress in this process, one per session at most. A cancel of a turn
+    interrupts its call (`interrupt`); a drain stops every call, and every one that would start
+    after it, with HandedOver (`hand_over`)."""
+
+    def __init__(self) -> None:
+        self.running: dict[str, ModelCall] = {}
+        self.handing_over = False
+
+    def interrupt(self, sid: str, turn_id: str) -> None:
+        call = self.running.get(sid)
+        if call is not None and call.turn_id == turn_id:
+            call.interrupt()
+
+    def hand_over(self) -> None:
+        self.handing_over = True
+        for call in list(self.running.values()):
+            call.hand_over()
+
+
 def as_model_error(exc: Exception) -> ModelError:
     if isinstance(exc, ModelError):
         return exc
@@ -63,23 +90,32 @@ class ModelCall:
         *,
         publish: Publish,
         live: Live | None,
-        running: dict[str, ModelCall] | None = None,
+        running: Calls | None = None,
         stats: HarnessStats | None = None,
     ) -> None:
         self.store, self.agent, self.sid, self.turn_id = store, agent, sid, turn_id
         self.stats = stats or HarnessStats()
         self._publish = publish
         self._live = live
-        self._running = running if running is not None else {}  # session -> its call in progress here
+        self._running = running if running is not None else Calls()  # the calls in progress here
         self._task: asyncio.Task[object] | None = None
         self._cuttable = False  # awaiting the provider or a backoff (the only awaits an interrupt may cut)
         self._asked = False  # a cancel of this turn was asked for
-        self._interrupted = False  # ... and this task was cancelled for it
+        self._leaving = False  # the process is draining: the turn goes to another process
+        self._interrupted = False  # this task was cancelled for one of those two
 
     def interrupt(self) -> None:
         """A cancel of this turn was asked for: close the provider's stream (or end a backoff)
         now, or, between those, make no further attempt."""
         self._asked = True
+        self._cut()
+
+    def hand_over(self) -> None:
+        """The process is draining: as `interrupt`, but the turn is not to end (HandedOver)."""
+        self._leaving = True
+        self._cut()
+
+    def _cut(self) -> None:
         if self._cuttable and self._task is not None and not self._interrupted:
             self._interrupted = True
             self._task.cancel()
@@ -88,28 +124,31 @@ class ModelCall:
         """The model's reply to `request`, whose text streams as deltas of `item_id` (a retry
         streams it again from offset 0). `counted`: the first attempt is counted already.
         Raises the last attempt's ModelError when no attempt succeeded, Interrupted when the turn
-        was cancelled during the call."""
-        self._running[self.sid] = self
+        was cancelled during the call, HandedOver when the process began to drain."""
+        running = self._running.running
+        running[self.sid] = self
+        self._leaving = self._running.handing_over
         try:
             return await self._attempts(request, step, item_id, counted=counted)
         finally:
-            if self._running.get(self.sid) is self:
-                del self._running[self.sid]
+            if running.get(self.sid) is self:
+                del running[self.sid]
 
     async def _attempts(self, request: ModelRequest, step: int, item_id: str, *, counted: bool) -> ModelReply:
         self._task = asyncio.current_task()
         retry = 0
         while True:
-            if self._asked:  # (asked between attempts: a counted first attempt stays counted)
-                raise Interrupted
+            if self._asked or self._leaving:  # (asked between attempts: a counted first attempt stays counted)
+                raise self._stopped()
             if not counted:
                 await self.store.count_attempt(self.sid)  # before the call: a reply lost in a crash still counts
             counted = False
             began = time.perf_counter()
             try:
                 reply = await self._cut_short(self._stream(request, item_id))
-            except Interrupted:
-                self.stats.attempt("interrupted", time.perf_counter() - began)
+            except (Interrupted, HandedOver) as exc:
+                outcome = "interrupted" if isinstance(exc, Interrupted) else "handed_over"
+                self.stats.attempt(outcome, time.perf_counter() - began)
                 await self._record_failed(step)
                 raise
             except Exception as exc:
@@ -126,20 +165,24 @@ class ModelCall:
             await self._cut_short(asyncio.sleep(backoff(retry, error.retry_after)))
 
     async def _cut_short(self, awaitable: Coroutine[object, object, T]) -> T:
-        """Await what an interrupt may cut (the provider's stream, a backoff): Interrupted then,
-        or at once if the cancel was asked already."""
-        if self._asked:
+        """Await what an interrupt may cut (the provider's stream, a backoff): Interrupted (or
+        HandedOver) then, or at once if it was asked already."""
+        if self._asked or self._leaving:
             awaitable.close()
-            raise Interrupted
+            raise self._stopped()
         self._cuttable = True
         try:
             return await awaitable
         except asyncio.CancelledError:
             if not self._interrupted or not self._uncancel():
                 raise
-            raise Interrupted from None
+            raise self._stopped() from None
         finally:
             self._cuttable = False
+
+    def _stopped(self) -> Interrupted | HandedOver:
+        """Why the call stops: a cancel of the turn (it wins: the turn ends), else a drain."""
+        return Interrupted() if self._asked else HandedOver()
 
     async def _record_failed(self, step: int) -> None:
         failed = await self.store.record_usage(self.sid, self.turn_id, step, Usage(), failed=True)  # may be billed

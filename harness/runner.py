@@ -5,6 +5,10 @@ the session at once (`kick`). Every message also puts a job on the Redis stream,
 survives the process: any runner reading the stream (or reclaiming a dead runner's jobs) drains
 the session's inbox. A job is acknowledged once a drain that began after the job was added has
 finished: that drain saw the job's message, so the job needs no drain of its own.
+
+When the process drains (`hand_over`), its sessions go to other runners at once: each running
+turn stops at its model call without committing it, its lease is released, and a new job for
+its session goes on the stream in place of the ones this runner read.
 """
 
 from __future__ import annotations
@@ -20,9 +24,10 @@ from harness.agent import Agent
 from harness.aio import cancel_and_wait
 from harness.errors import StaleLease
 from harness.ids import stream_key
+from harness.lease import Renewal
 from harness.logcontext import session_id, turn_id
 from harness.metrics import HarnessStats
-from harness.modelcall import ModelCall
+from harness.modelcall import Calls, HandedOver
 from harness.ops import OpRunner
 from harness.outcomes import Final, Live, Publish
 from harness.store import Begun, Busy, JobQueue, JobShards, Store
@@ -33,11 +38,9 @@ COVERED_MAX = 50_000  # sessions remembered as covered; past that the memo resta
 ACK_BATCH = 256  # acknowledge at once when this many jobs wait ...
 ACK_DELAY_S = 0.05  # ... else after this long, together
 READ_BATCH = 64  # jobs read from the stream at once
-# Jobs of sessions in hand here (the ones this process submitted and began itself) need no
-# reading on their turn's path, only to be read at all (pending, for recovery; an unread job is
-# recovered too), and reading them one at a time costs each turn a round of CPU. So when reads
-# bring only such jobs, and come less than twice this apart, the next read waits this long.
-# A job of another process's waits at most this much longer.
+# Jobs of sessions in hand here need reading only for recovery, and one read per turn costs CPU:
+# when reads bring only such jobs, less than twice this apart, the next read waits this long
+# (a job of another process's waits at most this much longer).
 OWN_JOBS_PAUSE_S = 0.005
 
 
@@ -62,14 +65,14 @@ class Runner:
         self.agent = agent
         self.publish = publish
         self.live = live
-        self.calls: dict[str, ModelCall] = {}  # session -> its model call in progress here
+        self.calls = Calls()  # the model calls in progress here
         self._on_idle = on_idle  # a session stopped running here
         self.lease_ms = lease_ms
         self.block_ms = block_ms
         self._concurrency = concurrency
         self._slots = asyncio.Semaphore(concurrency)
         self._active: set[str] = set()  # sessions this process is draining now
-        self._holding: set[str] = set()  # ... of which it holds the lease, running a turn
+        self._holding: dict[str, str] = {}  # ... of which it holds the lease (its fence), running a turn
         self._again: set[str] = set()  # ... that got more work meanwhile: drain once more
         self._kicked: dict[str, str] = {}  # session -> newest job handed over locally, not yet drained
         self._covered: dict[str, str] = {}  # session -> newest job a finished drain has seen
@@ -79,6 +82,9 @@ class Runner:
         self._acking: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._loops: list[asyncio.Task[None]] = []  # one per job stream
+        self._leaving = asyncio.Event()  # the process drains: sessions go to other runners
+        self._given: dict[str, list[str]] = {}  # session -> its jobs read here, left to another runner
+        self._busy: dict[str, asyncio.Event] = {}  # session -> set to end its wait for another's lease
 
     def start(self) -> None:
         self._loops = [
@@ -86,18 +92,45 @@ class Runner:
         ]
 
     async def stop(self) -> None:
-        """Stop taking jobs and cancel running turns. Their leases expire; unacknowledged jobs
-        stay pending, and another runner (or this process restarted) takes them up."""
+        """Stop taking jobs, cancel running turns (their leases lapse; their jobs stay pending)."""
         await cancel_and_wait([*self._loops, *self._tasks])
         if self._acking is not None:
             with contextlib.suppress(Exception):
                 await self._acking
 
-    def interrupt(self, sid: str, turn_id: str) -> None:
-        """A cancel of the turn was asked for: if its model call is running here, stop it."""
-        call = self.calls.get(sid)
-        if call is not None and call.turn_id == turn_id:
-            call.interrupt()
+    async def hand_over(self, timeout: float) -> int:
+        """The process drains: read no more jobs; stop every turn running here at its model call
+        (its provider stream closed; nothing of the call committed), release its lease, and put a
+        job for its session on the stream for another runner, acknowledging the ones read here.
+        A turn still running after `timeout` (a slow tool) is cancelled, its lease released all
+        the same. Returns how many sessions were handed over."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        self._leaving.set()
+        self.calls.hand_over()
+        for wake in self._busy.values():
+            wake.set()
+        # The job reader ends after its current read (block_ms at most), a turn at its model call,
+        # a session held for a submit (`reserve`) once the submit is back and its turn handed over.
+        while (self._active or any(not t.done() for t in self._loops)) and loop.time() < deadline:
+            running = {t for t in (*self._loops, *self._tasks) if not t.done()}
+            if running:
+                await asyncio.wait(running, timeout=deadline - loop.time())
+            else:
+                await asyncio.sleep(0.01)
+        held = dict(self._holding)  # leases of turns still running: cancelled now, released below
+        await self.stop()
+        for sid, fence in held.items():
+            with contextlib.suppress(Exception):
+                await self.store.release(sid, fence)
+        given, self._given = self._given, {}
+        for sid in given:
+            await self.store.add_job(sid)
+        for sid, jobs in given.items():
+            if jobs:
+                await self.jobs.of(sid).done(*jobs)
+        self.stats.handed_over += len(given)
+        return len(given)
 
     def kick(self, sid: str, job_id: str) -> None:
         """Run the session now: this process accepted a message for it (job `job_id`)."""
@@ -114,7 +147,7 @@ class Runner:
         begins the turn of a message it finds alone): a turn begun so has a slot at once, so its
         lease is renewed from the start. While held, a job for it off the stream is only noted.
         False if the session is running here already, or no slot is free: submit as usual."""
-        if sid in self._active or self._slots.locked():
+        if sid in self._active or self._slots.locked() or self._leaving.is_set():
             return False
         await self._slots.acquire()  # free, so this returns without suspending
         self._active.add(sid)
@@ -146,7 +179,7 @@ class Runner:
         reclaim_every = max(self.lease_ms / 1000, 1.0)
         next_reclaim = last_own_read = 0.0
         loop = asyncio.get_running_loop()
-        while True:
+        while not self._leaving.is_set():
             try:
                 while len(self._tasks) >= 4 * self._concurrency:  # backpressure: stop reading jobs
                     await asyncio.wait(set(self._tasks), return_when=asyncio.FIRST_COMPLETED)
@@ -204,11 +237,17 @@ class Runner:
     # ---- sessions ----------------------------------------------------------------------
 
     def _run(self, sid: str, job_id: str | None = None) -> None:
+        if self._leaving.is_set() and sid not in self._active:  # another runner's now
+            if job_id is not None:
+                self._given.setdefault(sid, []).append(job_id)
+            return
         if sid in self._active:
             if job_id is None:
                 self._again.add(sid)  # a message after the drain began: go round once more
                 return
             self._jobs[sid].append(job_id)
+            if wake := self._busy.get(sid):  # (another runner's drain gave the session back, maybe)
+                wake.set()
             mark = self._marks.get(sid)
             if mark is None or stream_key(job_id) > stream_key(mark):
                 self._again.add(sid)
@@ -261,6 +300,8 @@ class Runner:
             finally:
                 self._slots.release()
             drained = True
+        except HandedOver:
+            pass  # (the process drains: the session goes to another runner, below)
         finally:
             self._active.discard(sid)
             self._on_idle()
@@ -269,6 +310,8 @@ class Runner:
             if drained:
                 for job in jobs:
                     self._ack(sid, job)
+            elif self._leaving.is_set():
+                self._given.setdefault(sid, []).extend(jobs)
 
     def _cover(self, sid: str, job_id: str) -> None:
         if len(self._covered) >= COVERED_MAX:
@@ -285,6 +328,8 @@ class Runner:
             begun: Begun | Busy | None = first
             if first is not None:
                 first = None
+            elif self._leaving.is_set():
+                raise HandedOver  # (before BEGIN: nothing held)
             else:
                 begun = await self.store.begin(sid, fence, self.lease_ms)
             if begun is None:
@@ -292,23 +337,36 @@ class Runner:
             if isinstance(begun, Busy):
                 # Another runner holds the session. If it is alive it drains the inbox; if it
                 # died, its lease expires within lease_ms and we take over.
-                await asyncio.sleep(min(begun.retry_ms, self.lease_ms) / 1000)
+                await self._busy_wait(sid, min(begun.retry_ms, self.lease_ms) / 1000)
                 continue
             fence = begun.fence
             if begun.took_over:
                 self.stats.lease_takeovers += 1
             if begun.started is not None:
                 self.publish(sid, [begun.started], False)
-            self._holding.add(sid)
+            self._holding[sid] = fence
             try:
                 more = await self._run_turn(sid, begun)
             except StaleLease:
                 return False
             finally:
-                self._holding.discard(sid)
+                self._holding.pop(sid, None)
                 self._on_idle()  # the poller watches this session's stream again
             if not more:
                 return True
+
+    async def _busy_wait(self, sid: str, seconds: float) -> None:
+        """Wait while another runner holds the session: until its lease lapses (if it died), or
+        less, when a job for the session comes (its runner may have handed it over) or a drain."""
+        if self._leaving.is_set():
+            return
+        wake = self._busy[sid] = asyncio.Event()
+        try:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(seconds):
+                    await wake.wait()
+        finally:
+            del self._busy[sid]
 
     async def _run_turn(self, sid: str, begun: Begun) -> bool:
         renewal = Renewal(self.store, sid, begun.fence, self.lease_ms)
@@ -330,44 +388,16 @@ class Runner:
                 self.stats.turn_seconds.observe(time.perf_counter() - started)
             else:
                 outcome = await OpRunner(self.store, self.agent, sid, begun, self.publish).run()
+        except HandedOver:
+            renewal.cancel()
+            await self.store.release(sid, begun.fence)  # at once: another runner takes the turn over
+            raise
         finally:
             renewal.cancel()
             turn_id.set(None)
         if not isinstance(outcome, Final):
             await self.store.release(sid, begun.fence)  # paused: not ours to hold (a no-op if already let go)
         return isinstance(outcome, Final) and outcome.more
-
-
-class Renewal:
-    """Extends a turn's lease every third of its TTL, from a timer: a turn shorter than that
-    (most of them) costs no task and no Redis call."""
-
-    def __init__(self, store: Store, sid: str, fence: str, lease_ms: int) -> None:
-        self.store, self.sid, self.fence, self.lease_ms = store, sid, fence, lease_ms
-        self._loop = asyncio.get_running_loop()
-        self._task: asyncio.Task[None] | None = None
-        self._timer: asyncio.TimerHandle | None = self._loop.call_later(lease_ms / 3000, self._fire)
-
-    def _fire(self) -> None:
-        self._task = self._loop.create_task(self._renew())
-
-    async def _renew(self) -> None:
-        try:
-            held = await self.store.renew(self.sid, self.fence, self.lease_ms)
-        except Exception as exc:  # Redis unreachable for a moment: try again soon, the TTL allows it
-            log.warning("session %s: renewing lease %s failed: %s", self.sid, self.fence, exc)
-            self._timer = self._loop.call_later(self.lease_ms / 10000, self._fire)
-            return
-        if held:
-            self._timer = self._loop.call_later(self.lease_ms / 3000, self._fire)
-        else:
-            log.warning("session %s: lease %s lost", self.sid, self.fence)
-
-    def cancel(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-        if self._task is not None:
-            self._task.cancel()
 
 
 def _newest(*job_ids: str | None) -> str | None:

@@ -103,8 +103,9 @@ class Harness(SessionReads):
         return harness
 
     def _interrupt(self, sid: str, turn_id: str) -> None:
+        """A cancel of the turn was asked for: if its model call is running here, stop it."""
         if self.runner is not None:
-            self.runner.interrupt(sid, turn_id)
+            self.runner.calls.interrupt(sid, turn_id)
 
     def _runs_here(self, sid: str) -> bool:
         return self.runner is not None and self.runner.runs(sid)
@@ -149,6 +150,11 @@ class Harness(SessionReads):
         self.relay = Relay(self.store, self.outbox, destinations, lease_ms=self.lease_ms, **options)
         await self.relay.start()
         return self.relay
+
+    async def hand_over(self, timeout: float) -> int:
+        """The process drains: its running turns go to other processes at once (`Runner.hand_over`).
+        Returns how many sessions were handed over."""
+        return await self.runner.hand_over(timeout) if self.runner is not None else 0
 
     async def stop(self) -> None:
         for task in list(self._tasks):

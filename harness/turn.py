@@ -19,7 +19,7 @@ from harness.errors import CallbackError, ModelError, StaleLease
 from harness.events import event_body
 from harness.ids import new_id
 from harness.metrics import HarnessStats
-from harness.modelcall import Interrupted, ModelCall
+from harness.modelcall import Calls, Interrupted, ModelCall
 from harness.models.base import ModelReply, ModelRequest
 from harness.models.tokens import request_tokens
 from harness.outcomes import Cancel, Final, Live, Outcome, Paused, Publish, RunTools, StepOutcome
@@ -45,7 +45,7 @@ class TurnRunner:
         publish: Publish,
         *,
         live: Live | None = None,
-        calls: dict[str, ModelCall] | None = None,
+        calls: Calls | None = None,
         stats: HarnessStats | None = None,
     ) -> None:
         self.store = store
@@ -67,7 +67,7 @@ class TurnRunner:
         self.last_in, self.last_est = begun.last_in, begun.last_est
         self._publish = publish
         self._live = live
-        self._calls = calls  # the model calls in progress in this process (a cancel interrupts them)
+        self._calls = calls  # the model calls in progress in this process (a cancel, a drain stop them)
         self._compacted_for_length = False  # a "prompt too long" was answered with a compaction
         # requests of this turn with no answer: those BEGIN found, and any this run commits
         self.open_requests = [rid for rid, answer in begun.answers.items() if answer is None]

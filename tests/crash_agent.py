@@ -4,6 +4,7 @@ them across processes that die."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 
@@ -56,3 +57,36 @@ compacting = Agent(
     context_window=400,
     compaction=Compaction(keep_turns=1),
 )
+
+
+@tool
+async def hold(seconds: float, ctx: ToolContext) -> str:
+    """Take `seconds` (a slow tool; logged when it begins and when it ends)."""
+    log({"tool": "hold", "call_id": ctx.call_id, "pid": os.getpid()})
+    await asyncio.sleep(seconds)
+    log({"tool": "held", "call_id": ctx.call_id, "pid": os.getpid()})
+    return f"held {seconds:g}"
+
+
+async def blocking(request: ModelRequest) -> ModelReply:
+    """As `script`, but with $KEEL_TEST_BLOCK set a model call for a message that starts with
+    "slow " never returns (logged first, as {"blocked": turn id}): the turn is running in this
+    process for as long as the test likes. A process without it answers at once. "think N"
+    takes N seconds to answer; "hold N" calls the slow tool."""
+    log({"model": request.step, "turn": request.turn_id, "pid": os.getpid()})
+    last = request.messages[-1]
+    if os.environ.get("KEEL_TEST_BLOCK") and last.role == "user" and last.text.startswith("slow "):
+        log({"blocked": request.turn_id, "pid": os.getpid()})
+        await asyncio.Event().wait()
+    if last.role == "user" and last.text.startswith("think "):  # a model call that takes its time
+        await asyncio.sleep(float(last.text[6:]))
+        return ModelReply(text=f"thought {last.text[6:]}")
+    if last.role == "user" and last.text.startswith("hold "):
+        return ModelReply(tool_calls=[ToolCall("hold", {"seconds": float(last.text[5:])})])
+    if last.role == "tool":
+        return ModelReply(text=f"done: {last.text}")
+    return ModelReply(text=f"re: {last.text}")
+
+
+# Turns that block in the model or take their time in a tool (tests/app/test_lifecycle.py).
+slow = Agent(instructions="You take your time.", tools=[hold], model=ScriptedModel(blocking, keep=0))

@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -15,6 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import redis
+
+from harness.store.keys import JOBS, JOBS_GROUP
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -69,13 +73,58 @@ class Service:
                 self.proc.wait()
 
 
+class Worker:
+    """`python -m app.worker` in a subprocess: ready once it reads the turn job stream (its
+    consumer, named for its host and pid, is in the group)."""
+
+    def __init__(self, workdir: Path, redis_url: str, **env: str) -> None:
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith(("KEEL_", "REDIS_URL"))}
+        self.env.update({"REDIS_URL": redis_url, "KEEL_LOG_LEVEL": "warning", **env})
+        self.redis_url = redis_url
+        self.log = workdir / "worker.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 20.0) -> None:
+        with open(self.log, "ab") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "app.worker"], cwd=ROOT, env=self.env, stdout=subprocess.DEVNULL, stderr=err
+            )
+        name = f"{socket.gethostname()}-{self.proc.pid}"
+        deadline = time.monotonic() + timeout
+        with redis.Redis.from_url(self.redis_url) as r:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise AssertionError(f"the worker exited: {self.log.read_text()}")
+                with contextlib.suppress(redis.ResponseError):
+                    if any(c["name"].decode() == name for c in r.xinfo_consumers(JOBS, JOBS_GROUP)):
+                        return
+                time.sleep(0.05)
+        raise AssertionError("the worker did not start reading jobs")
+
+    def wait_exit(self, timeout: float = 20.0) -> int:
+        assert self.proc is not None
+        return self.proc.wait(timeout=timeout)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
 class EventTail:
     """Reads a session's SSE stream into `events`, reconnecting with Last-Event-ID whenever the
-    connection drops (as EventSource does), until stopped."""
+    connection drops (as EventSource does), until stopped; to `base` as it is then (a test may
+    point it at another process). `endings`: how each connection ended ("end": the server
+    ended the stream cleanly, else the error's name)."""
 
     def __init__(self, base: str, sid: str) -> None:
         self.base, self.sid = base, sid
         self.events: list[dict[str, Any]] = []
+        self.endings: list[str] = []
         self.connections = 0
         self._changed = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -114,6 +163,8 @@ class EventTail:
                                 self.events.append(json.loads(data))
                                 data = None
                                 self._changed.set()
-                except (httpx.HTTPError, OSError):
-                    pass
+                    self.endings.append("end")
+                except (httpx.HTTPError, OSError) as exc:
+                    self.endings.append(type(exc).__name__)
+                self._changed.set()
                 await asyncio.sleep(0.05)  # reconnect delay (EventSource waits `retry` ms)

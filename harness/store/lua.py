@@ -374,12 +374,15 @@ return reply({held = redis.call('PEXPIRE', K.lease, A.ttl_ms) == 1})
 """
 )
 
-# Gives the lease up only for its owner.
+# Gives the lease up only for its owner: the turn in progress, if any, is no longer held (a
+# runner that hands it over to another when its process drains; the next BEGIN resumes it as
+# given, not as taken over from a lapsed lease).
 RELEASE = (
     _COMMON
     + """
 if redis.call('GET', K.lease) ~= A.fence then return reply({held = false}) end
 redis.call('DEL', K.lease)
+redis.call('HSET', K.meta, 'held', 0)
 return reply({held = true})
 """
 )

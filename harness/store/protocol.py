@@ -372,7 +372,7 @@ RESPOND: Script[Recorded | Answered | Unknown | Missing] = Script(
 )
 CANCEL: Script[Cancelling | Idle | Missing] = Script(lua.CANCEL, ("meta", "inbox", "mids"), Cancelling | Idle | Missing)
 RENEW: Script[Held] = Script(lua.RENEW, ("lease",), Held)
-RELEASE: Script[Held] = Script(lua.RELEASE, ("lease",), Held)
+RELEASE: Script[Held] = Script(lua.RELEASE, ("lease", "meta"), Held)
 RELAY_TAKE: Script[RelayHeld | RelayBusy] = Script(
     lua_relay.RELAY_TAKE, ("lease", "state", "meta"), RelayHeld | RelayBusy
 )
