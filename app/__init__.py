@@ -67,6 +67,7 @@ def build_harness(
         token_rate=settings.token_rate,
         max_queued=settings.max_queued,
         job_shards=settings.job_shards,
+        replicas=1 if settings.durability == "replica" else 0,
     )
 
 

@@ -126,6 +126,7 @@ class Settings:
     max_token_sockets: int = 8  # websockets opened with one session token, per process
     job_shards: int = 0  # turn job streams (0: 1 on one server, 8 on a cluster)
     drain_s: float = 10.0  # SIGTERM: the drain's bound, then the process exits
+    durability: str = "primary"  # "replica": every commit waits for a replica before it is acknowledged
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> Settings:
@@ -175,7 +176,10 @@ class Settings:
             max_token_sockets=_int(env, "KEEL_MAX_TOKEN_SOCKETS", 8, low=1),
             job_shards=_int(env, "KEEL_JOB_SHARDS", 0, low=0),
             drain_s=_float(env, "KEEL_DRAIN_S", 10.0),
+            durability=(env.get("KEEL_DURABILITY") or "primary").lower(),
         )
+        if settings.durability not in ("primary", "replica"):
+            raise SettingsError(f"KEEL_DURABILITY must be primary or replica, not {settings.durability!r}")
         if settings.log_format not in ("text", "json"):
             raise SettingsError(f"KEEL_LOG_FORMAT must be text or json, not {settings.log_format!r}")
         if bool(settings.linear_webhook_secret) != bool(settings.linear_api_key):

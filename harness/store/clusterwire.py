@@ -26,15 +26,17 @@ from redis.crc import key_slot
 from redis.exceptions import AskError, ClusterDownError, MovedError, NoScriptError, TryAgainError
 
 from harness.store.client import Client
-from harness.store.wire import TIMEOUT_S, NotSent, Pool, Wire
+from harness.store.wire import QUIET, TIMEOUT_S, NotSent, Pool, Replicas, Wire
 
 REDIRECT_S = 10.0  # how long a call follows redirections and waits out a failover
 BACKOFF_S = (0.02, 0.05, 0.1, 0.2, 0.4, 0.5)  # waits between tries that found no owner
 
 
-def wire_for(client: Client) -> AnyWire:
+def wire_for(client: Client, replicas: Replicas | None = None) -> AnyWire:
     """The hot path for the process's client: to one server, or over a cluster."""
-    return ClusterWire(client) if isinstance(client, RedisCluster) else Wire(client)
+    if isinstance(client, RedisCluster):
+        return ClusterWire(client, replicas=replicas)
+    return Wire(client, replicas=replicas)
 
 
 def key_of(command: Sequence[Any]) -> bytes:
@@ -44,8 +46,11 @@ def key_of(command: Sequence[Any]) -> bytes:
 
 
 class ClusterWire:
-    def __init__(self, cluster: RedisCluster, *, timeout: float | None = None) -> None:
+    def __init__(
+        self, cluster: RedisCluster, *, timeout: float | None = None, replicas: Replicas | None = None
+    ) -> None:
         self.cluster = cluster
+        self.replicas = replicas
         self.timeout = timeout or TIMEOUT_S
         self._pools: dict[str, Pool] = {}
         self._ready = False
@@ -55,22 +60,28 @@ class ClusterWire:
         for pool in pools.values():
             await pool.close()
 
-    async def call(self, commands: Sequence[Sequence[Any]]) -> list[Any]:
+    async def call(self, commands: Sequence[Sequence[Any]], *, durable: bool = False) -> list[Any]:
         """Each command on its slot's owner (one write per slot, the slots at once); every reply
-        in order, an error reply as the exception in its place (as `Pool.call`)."""
+        in order, an error reply as the exception in its place (as `Pool.call`). `durable`:
+        each slot's commands wait for the replicas (`Replicas`), if the wire has any."""
         by_slot: dict[int, list[int]] = {}
         for n, command in enumerate(commands):
             by_slot.setdefault(key_slot(key_of(command)), []).append(n)
         replies: list[Any] = [None] * len(commands)
         groups = list(by_slot.items())
-        if len(groups) == 1:
-            done = [await self._on_slot(groups[0][0], [commands[n] for n in groups[0][1]])]
-        else:
-            done = await asyncio.gather(*(self._on_slot(slot, [commands[n] for n in idx]) for slot, idx in groups))
+        sends = [self._group(slot, [commands[n] for n in idx], durable) for slot, idx in groups]
+        done = [await sends[0]] if len(sends) == 1 else await asyncio.gather(*sends)
         for (_, idx), got in zip(groups, done, strict=True):
             for n, reply in zip(idx, got, strict=True):
                 replies[n] = reply
         return replies
+
+    async def _group(self, slot: int, commands: list[Sequence[Any]], durable: bool) -> list[Any]:
+        if not (durable and self.replicas):
+            return await self._on_slot(slot, commands)
+        got = await self._on_slot(slot, [*commands, self.replicas.wait()], unit=True)
+        self.replicas.check(got[-1])
+        return got[:-1]
 
     async def script(self, sha: str, source: str, keys: Sequence[Any], args: Sequence[Any]) -> Any:
         return (await self.script_with(sha, source, keys, args, ()))[0]
@@ -81,17 +92,24 @@ class ClusterWire:
         """The script on its session's node, then (only once it has run) the commands `also`,
         which live in other slots: a job added after the write it stands for, as on one server.
         Error replies are raised."""
-        evalsha = ("EVALSHA", sha, len(keys), *keys, *args)
+        evalsha: tuple[Any, ...] = ("EVALSHA", sha, len(keys), *keys, *args)
+        batch: list[Sequence[Any]] = [evalsha]
+        if self.replicas is not None:  # (the notice after WAIT, not from the script)
+            batch = [(*evalsha, *QUIET), *self.replicas.after(keys)]
         slot = key_slot(key_of(evalsha))
         for attempt in range(2):
-            (reply,) = await self._on_slot(slot, [evalsha])
+            got = await self._on_slot(slot, batch, unit=self.replicas is not None)
+            reply = got[0]
             if isinstance(reply, NoScriptError) and attempt == 0:
                 await self._load(slot, source)
                 continue
-            if isinstance(reply, Exception):
-                raise reply
+            for r in got:
+                if isinstance(r, Exception):
+                    raise r
+            if self.replicas is not None:
+                self.replicas.check(got[1])
             break
-        rest = await self.call(also) if also else []
+        rest = await self.call(also, durable=True) if also else []
         for r in rest:
             if isinstance(r, Exception):
                 raise r
@@ -104,10 +122,12 @@ class ClusterWire:
 
     # ---- one slot ------------------------------------------------------------------------
 
-    async def _on_slot(self, slot: int, commands: list[Sequence[Any]], *, routed: bool = True) -> list[Any]:
+    async def _on_slot(
+        self, slot: int, commands: list[Sequence[Any]], *, routed: bool = True, unit: bool = False
+    ) -> list[Any]:
         """`commands` (all in `slot`) on the slot's owner, redirections followed: a command
-        refused with MOVED, ASK, TRYAGAIN or CLUSTERDOWN is sent again (alone with the others
-        refused), until `REDIRECT_S` has passed."""
+        refused with MOVED, ASK, TRYAGAIN or CLUSTERDOWN is sent again (with the others refused;
+        with `unit`, with all of them: a script and the WAIT after it), until `REDIRECT_S`."""
         if not self._ready:
             await self.cluster.initialize()
             self._ready = True
@@ -121,7 +141,9 @@ class ClusterWire:
             node = self._asked(ask) if ask is not None else self._owner(slot)
             batch: list[Sequence[Any]] = [commands[n] for n in todo]
             try:
-                got = await self._pool(node).call([("ASKING",), *batch] if ask is not None else batch)
+                # (ASKING holds for the one command after it: one before each)
+                sent = [x for c in batch for x in (("ASKING",), c)] if ask is not None else batch
+                got = await self._pool(node).call(sent)
             except NotSent:
                 if loop.time() >= deadline:
                     raise
@@ -131,7 +153,7 @@ class ClusterWire:
                 ask = None
                 continue
             if ask is not None:
-                got = got[1:]
+                got = got[1::2]
             ask = None
             again: list[int] = []
             wait = refresh = False
@@ -152,7 +174,7 @@ class ClusterWire:
                 again.append(n)
             if not again or loop.time() >= deadline:
                 return replies
-            todo = again
+            todo = list(range(len(commands))) if unit else again
             if wait:
                 await self._wait(tries)
                 tries += 1

@@ -64,7 +64,7 @@ local function emit(retention, etype, body)
 end
 local plain_reply = reply
 reply = function(t)
-  if last_id then redis.call('SPUBLISH', string.sub(K.meta, 1, -5) .. 'live', '@' .. last_id) end
+  if last_id and ARGV[2] ~= 'quiet' then redis.call('SPUBLISH', string.sub(K.meta, 1, -5) .. 'live', '@' .. last_id) end
   return plain_reply(t)
 end
 local function body(turn_id, at, data_json)

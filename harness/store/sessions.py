@@ -24,6 +24,7 @@ from harness.store.keys import TOKEN_SECRET, SessionKeys
 from harness.store.queue import JobShards
 from harness.store.turns import Turns
 from harness.store.types import Begun, Responded, Submitted
+from harness.store.wire import Replicas
 from harness.types import (
     Answer,
     ApprovalRequest,
@@ -53,9 +54,12 @@ class Store(Turns):
         cache_sessions: int = 1024,
         max_queued: int = 0,
         job_shards: int = 0,
+        replicas: int = 0,
+        replica_wait_ms: int = 1000,
     ) -> None:
         self.redis = redis
-        self.wire = wire_for(redis)  # every script goes this way
+        # every script goes this way; with `replicas`, each waits for that many (KEEL_DURABILITY)
+        self.wire = wire_for(redis, Replicas(replicas, replica_wait_ms) if replicas else None)
         self.jobs = JobShards(redis, job_shards)
         self.retention = retention
         self.max_queued = max_queued  # messages that may wait behind a session's current turn (0: any)

@@ -17,7 +17,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 from redis.asyncio.connection import AbstractConnection
-from redis.exceptions import ConnectionError, NoScriptError, ResponseError
+from redis.exceptions import ConnectionError, NoScriptError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeout
 from redis.maint_notifications import MaintNotificationsConfig
 
@@ -112,12 +112,52 @@ class Pool:
             await self._release(conn)
 
 
+QUIET = ("quiet",)  # a script's last argument: publish no commit notice (`Replicas` sends it)
+# The commit notice, sent after WAIT: the newest event id of the outbox among the script's keys.
+NOTIFY = """
+for _, k in ipairs(KEYS) do
+  if string.sub(k, -7) == ':outbox' then
+    local last = redis.call('XREVRANGE', k, '+', '-', 'COUNT', 1)
+    if last[1] then redis.call('SPUBLISH', string.sub(k, 1, -7) .. 'live', '@' .. last[1][1]) end
+    return 1
+  end
+end
+return 0
+"""
+
+
+class NotReplicated(RedisError):
+    """Fewer replicas than asked acknowledged a write in time: it is on the primary only."""
+
+
+class Replicas:
+    """`KEEL_DURABILITY=replica`: every script is followed, in the same write, by `WAIT` for
+    `count` replicas (at most `timeout_ms`) and then by its commit notice, so nothing is
+    acknowledged (the reply is read after WAIT's) or announced to other processes (the notice
+    runs after WAIT) before a replica has it. The script itself is told to publish nothing."""
+
+    def __init__(self, count: int = 1, timeout_ms: int = 1000) -> None:
+        self.count = count
+        self.timeout_ms = timeout_ms
+
+    def wait(self) -> tuple[Any, ...]:
+        return ("WAIT", self.count, self.timeout_ms)
+
+    def after(self, keys: Sequence[Any]) -> list[tuple[Any, ...]]:
+        return [self.wait(), ("EVAL", NOTIFY, len(keys), *keys)]
+
+    def check(self, acked: Any) -> None:
+        if not isinstance(acked, int) or acked < self.count:
+            raise NotReplicated(f"{acked} of {self.count} replicas acknowledged the write within {self.timeout_ms} ms")
+
+
 class Wire:
     """The hot path to one Redis server: a `Pool` made from the client's settings."""
 
-    def __init__(self, redis: Redis, *, timeout: float | None = None) -> None:
+    def __init__(self, redis: Redis, *, timeout: float | None = None, replicas: Replicas | None = None) -> None:
         main = redis.connection_pool
         self.redis = redis
+        self.replicas = replicas
         # a whole call's deadline: the one given, else a socket_timeout from the Redis URL
         self.timeout = timeout or main.connection_kwargs.get("socket_timeout") or TIMEOUT_S
         self.pool = Pool(main.connection_class, main.connection_kwargs, main.max_connections, self.timeout)
@@ -140,7 +180,12 @@ class Wire:
         the script (restarted, or SCRIPT FLUSH) did not run it: load it and send all again (what
         `also` did the first time is done twice: keel's `also` is a job, harmless twice). Error
         replies are raised."""
-        return await run_script(self.pool, sha, source, [("EVALSHA", sha, len(keys), *keys, *args), *also])
+        if self.replicas is None:
+            return await run_script(self.pool, sha, source, [("EVALSHA", sha, len(keys), *keys, *args), *also])
+        evalsha = ("EVALSHA", sha, len(keys), *keys, *args, *QUIET)
+        replies = await run_script(self.pool, sha, source, [evalsha, *also, *self.replicas.after(keys)])
+        self.replicas.check(replies[-2])
+        return replies[:-2]
 
 
 async def run_script(pool: Pool, sha: str, source: str, commands: list[Sequence[Any]]) -> list[Any]:

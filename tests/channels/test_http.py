@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
@@ -82,6 +83,14 @@ async def snapshot(redis: Redis) -> dict[bytes, Any]:
         else:
             out[key] = await redis.dump(key)
     return out
+
+
+async def jobs_done(redis: Redis) -> None:
+    """Until the runners have acknowledged (and so deleted) every turn job: they do so a moment
+    after a turn settles, which a snapshot taken meanwhile would see as a change."""
+    async with asyncio.timeout(5):
+        while any([await redis.xlen(k) for k in await redis.keys("keel:{jobs*}:stream")]):  # noqa: ASYNC110 (Redis state)
+            await asyncio.sleep(0.01)
 
 
 BAD_MESSAGES = [

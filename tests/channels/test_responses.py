@@ -9,7 +9,7 @@ from redis.asyncio import Redis
 
 from harness import Agent, tool
 from harness.models import ModelReply, ModelRequest, ScriptedModel, ToolCall
-from tests.channels.test_http import snapshot
+from tests.channels.test_http import jobs_done, snapshot
 
 
 def agent(ran: list[str]) -> Agent:
@@ -81,6 +81,7 @@ async def test_bad_answers_get_4xx_and_change_nothing(
         sid = (await c.post("/v1/sessions")).json()["session_id"]
         turn = (await c.post(f"/v1/sessions/{sid}/messages?wait=true", json={"text": "wipe x"})).json()
         rid = turn["events"][-1]["data"]["requests"][0]["request_id"]
+        await jobs_done(redis)
         before = await snapshot(redis)
         r = await c.post(f"/v1/sessions/{sid}/responses", content=body.replace(b"{rid}", rid.encode()))
         assert r.status_code == status, r.text

@@ -17,8 +17,10 @@ from harness.errors import KeelError
 from harness.store.keys import SessionKeys, job_shard, job_streams
 from tests.channels.slack_support import echo_agent
 from tests.cluster import ValkeyCluster
+from tests.conftest import ON_CLUSTER
 
-pytestmark = pytest.mark.slow
+# (each makes a cluster of its own: once per `make test`, in the one-server pass)
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(ON_CLUSTER, reason="makes a cluster of its own")]
 
 SESSIONS = 8
 ROUNDS = 3  # each session's slot moves this many times (24 moves of session slots, 3 of a job stream's)
