@@ -65,6 +65,7 @@ def build_harness(
         rate_limit=settings.rate_limit,
         token_rate=settings.token_rate,
         max_queued=settings.max_queued,
+        session_ttl_ms=settings.session_ttl_ms,
     )
 
 

@@ -79,6 +79,8 @@ def is_loopback(host: str) -> bool:
 
 
 TOKENS_PER_SESSION = RateLimit(60, 60)
+DAY_MS = 86_400_000
+SESSION_TTL_DAYS = 30  # a session nobody wrote to for a month is let go (KEEL_SESSION_TTL_DAYS)
 
 
 @dataclass(frozen=True)
@@ -124,6 +126,9 @@ class Settings:
     max_queued: int = 100  # messages waiting behind a session's current turn
     max_readers: int = 32  # SSE streams and websockets on one session, per process
     max_token_sockets: int = 8  # websockets opened with one session token, per process
+    # a session left alone this long expires, all of it (0: never); days in the environment,
+    # ms here (tests use a few)
+    session_ttl_ms: int = SESSION_TTL_DAYS * DAY_MS
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> Settings:
@@ -171,6 +176,7 @@ class Settings:
             max_queued=_int(env, "KEEL_MAX_QUEUED", 100, low=1),
             max_readers=_int(env, "KEEL_MAX_SESSION_EVENTS_READERS", 32, low=1),
             max_token_sockets=_int(env, "KEEL_MAX_TOKEN_SOCKETS", 8, low=1),
+            session_ttl_ms=_int(env, "KEEL_SESSION_TTL_DAYS", SESSION_TTL_DAYS, low=0) * DAY_MS,
         )
         if settings.log_format not in ("text", "json"):
             raise SettingsError(f"KEEL_LOG_FORMAT must be text or json, not {settings.log_format!r}")

@@ -2,7 +2,9 @@
 
 `id:` is the event id (a Redis stream id), `event:` its type, `data:` the envelope. A client
 resumes with `Last-Event-ID` (EventSource does this itself) or `?after=`; a comment line is sent
-as a heartbeat when nothing happened for a while."""
+as a heartbeat when nothing happened for a while. The stream ends only when the session does:
+`event: session.deleted` (no `id:`) is its last event (EventSource's reconnection then gets 404,
+and stops)."""
 
 from __future__ import annotations
 
@@ -40,7 +42,8 @@ EVENT_ID = {"type": "string", "pattern": "^[0-9]{1,20}-[0-9]{1,20}$"}
         200,
         str,
         "`id:` the event id, `event:` its type, `data:` the envelope (`Event`, or a `MessageDelta` without "
-        "`id:`); a `:` comment line as a heartbeat. The stream does not end by itself.",
+        "`id:`); a `:` comment line as a heartbeat. The stream ends only when the session does: its last "
+        "event is `session.deleted` (`SessionDeleted`, without `id:`).",
         media="text/event-stream",
     ),
     errors={**NOT_FOUND, 400: "`invalid_event_id`", 429: "`too_many_readers` of this session (Retry-After)"},

@@ -11,6 +11,7 @@ from typing import Any
 from harness import failpoints
 from harness.agent import Agent
 from harness.context import split_context
+from harness.ending import SessionEnds
 from harness.errors import Conflict, InvalidInput, NotFound
 from harness.events import StoredEvent
 from harness.hooktargets import HookTargets
@@ -50,7 +51,7 @@ MESSAGE_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 MAX_REASON = 2_000
 
 
-class Harness(SessionReads):
+class Harness(SessionReads, SessionEnds):
     def __init__(
         self,
         redis: Redis,
@@ -63,10 +64,12 @@ class Harness(SessionReads):
         rate_limit: RateLimit | None = None,
         token_rate: RateLimit | None = None,
         max_queued: int = 0,
+        session_ttl_ms: int = 0,
     ) -> None:
         self.redis = redis
         self.agent = agent
-        self.store = Store(redis, retention=retention, max_queued=max_queued)
+        # (session_ttl_ms: a session left alone this long expires, all of it; 0: never)
+        self.store = Store(redis, retention=retention, max_queued=max_queued, ttl_ms=session_ttl_ms)
         buckets = RateBuckets(self.store.wire)
         self.limiter = RateLimiter(buckets, rate_limit, "for this API key") if rate_limit is not None else None
         self.token_limiter = RateLimiter(buckets, token_rate, "for this session's tokens") if token_rate else None

@@ -6,7 +6,8 @@ Commits made in this process are published here with the events they wrote (byte
 a read of the outbox returns); a single background poller notices commits made by other
 processes (XREAD BLOCK over the watched sessions). A reader takes published events only when
 they continue exactly where it is (the next seq, no gap); otherwise it reads the outbox stream,
-which is always the truth.
+which is always the truth. A session that ends (deleted) ends its watches here and, through the
+`LiveRelay`, in the processes that have readers of it (`ended`).
 """
 
 from __future__ import annotations
@@ -49,6 +50,12 @@ class Watch:
         self.live = live and not settled_only  # takes live events (message.delta)
         self._pushed: list[StoredEvent] = []
         self._overflow = False
+        self.ended: str | None = None  # why the session ended ("deleted"): its reader stops
+
+    def end(self, reason: str) -> None:
+        """The session ended: the reader is woken to stop."""
+        self.ended = reason
+        self._signal()
 
     def wake(self) -> None:
         """Something was committed: the reader should read."""
@@ -144,7 +151,7 @@ class EventHub:
         self._task: asyncio.Task[None] | None = None
         self._followed = asyncio.Event()  # set when a session gets a position to poll from
         self._cancelled = cancelled  # (session, turn) a cancel was asked for, here or elsewhere
-        self._relay = LiveRelay(redis, self._arrived, cancelled) if redis is not None else None
+        self._relay = LiveRelay(redis, self._arrived, cancelled, self._ended_here) if redis is not None else None
 
     def publish(self, sid: str, events: list[StoredEvent], *, settled: bool = True) -> None:
         """This process committed `events` (`settled`: a commit that ended a turn): hand them to
@@ -175,6 +182,16 @@ class EventHub:
         self._cancelled(sid, turn_id)
         if self._relay is not None:
             self._relay.cancel(sid, turn_id)
+
+    def ended(self, sid: str) -> None:
+        """The session was deleted: its watches here and in other processes end."""
+        self._ended_here(sid)
+        if self._relay is not None:
+            self._relay.ended(sid)
+
+    def _ended_here(self, sid: str) -> None:
+        for w in self._watches.get(sid, ()):
+            w.end("deleted")
 
     async def flush_live(self) -> None:
         if self._relay is not None:

@@ -7,7 +7,8 @@ is one pipeline) and subscribes to the channels of the sessions it has readers f
 truth): one lost while Redis is away, or before a subscription is in place, is not resent. A
 process skips what it published itself (each message names its origin). A cancel notice
 (`cancel`) only hurries the process running the turn: the cancel itself is committed first, and
-that process sees it at its next commit anyway.
+that process sees it at its next commit anyway. A session's end (`ended`: it was deleted) goes
+on its channel as a line of its own, `ENDED`, to the readers of the session in every process.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from harness.store.keys import CANCELS, SessionKeys, session_of
 log = logging.getLogger("keel.live")
 RETRY_S = 1.0
 FLUSH_WAIT_S = 1.0  # a commit waits at most this long for its deltas to be published
+ENDED = b"!ended"  # a line on a session's channel: the session was deleted (no event envelope starts so)
 
 
 class LiveRelay:
@@ -36,10 +38,12 @@ class LiveRelay:
         redis: Redis,
         deliver: Callable[[str, LiveEvent], None],
         cancelled: Callable[[str, str], None] = lambda sid, turn_id: None,
+        ended: Callable[[str], None] = lambda sid: None,
     ) -> None:
         self._redis = redis
         self._deliver = deliver  # an event another process published, for this process's readers
         self._cancelled = cancelled  # a cancel notice from another process: (session, turn)
+        self._ended = ended  # a session another process deleted
         self._origin = os.urandom(8).hex().encode()
         self._outgoing: list[tuple[str, bytes]] = []
         self._flusher: asyncio.Task[None] | None = None
@@ -70,6 +74,10 @@ class LiveRelay:
         """Tell every process that the turn is to be cancelled (the one running it stops its
         model call at once)."""
         self._queue(CANCELS, f"{sid} {turn_id}".encode())
+
+    def ended(self, sid: str) -> None:
+        """Tell the readers of the session in every other process that it was deleted."""
+        self._queue(SessionKeys(sid).live, ENDED)
 
     def _queue(self, channel: str, data: bytes) -> None:
         self._outgoing.append((channel, data))
@@ -174,7 +182,10 @@ class LiveRelay:
                 else:
                     sid = session_of(channel)
                     for raw in data.split(b"\n"):
-                        self._deliver(sid, live_event(raw))
+                        if raw == ENDED:
+                            self._ended(sid)
+                        else:
+                            self._deliver(sid, live_event(raw))
             except asyncio.CancelledError:
                 raise
             except Exception as exc:

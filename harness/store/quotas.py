@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from harness.store import protocol as p
+from harness.store import protocol_relay as p
 from harness.store.client import translated
 from harness.store.keys import QuotaKeys
 from harness.store.wire import Wire
