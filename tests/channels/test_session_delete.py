@@ -12,9 +12,11 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
+import pytest
 from redis.asyncio import Redis
 from websockets.asyncio.client import connect
 
+from app.settings import Settings, SettingsError
 from harness.store.keys import DeliveryKeys, SessionKeys
 from tests.channels.slack_support import echo_agent, eventually, relay_done
 from tests.channels.test_http import snapshot
@@ -147,3 +149,13 @@ async def test_an_idle_session_expires_whole_with_its_delivery_state(
         await eventually(gone, 10)
         r = await c.get(f"/v1/sessions/{sid}")
         assert r.status_code == 404
+
+
+def test_the_session_ttl_setting() -> None:
+    day = 86_400_000
+    assert Settings().session_ttl_ms == Settings.from_env({}).session_ttl_ms == 30 * day
+    assert Settings.from_env({"KEEL_SESSION_TTL_DAYS": "7"}).session_ttl_ms == 7 * day
+    assert Settings.from_env({"KEEL_SESSION_TTL_DAYS": "0"}).session_ttl_ms == 0  # never
+    for bad in ("-1", "1.5", "month"):
+        with pytest.raises(SettingsError, match="KEEL_SESSION_TTL_DAYS"):
+            Settings.from_env({"KEEL_SESSION_TTL_DAYS": bad})
