@@ -71,11 +71,17 @@ end
 # The session's expiry: every key of a session but its lease (which has its own) expires at the
 # same moment. `keep`, in a script that names every key of the session (CREATE, SUBMIT, a
 # COMMIT that ends or pauses a turn), sets them all to expire `ttl_ms` from now (0: never);
-# within one script the server's clock stands still, so they get the very same deadline.
+# within one script the server's clock stands still, so they get the very same deadline. It
+# does so at most every hundredth of the TTL (an hour at most): a deadline fresher than that is
+# left as it is (so a busy session costs one PTTL a script, not a PEXPIRE per key).
 # `expire_with_meta` gives a key a script may have just made (a first approval request, a first
-# answer, ...) the deadline its meta has, without naming the others.
+# answer, ...) the deadline its meta has, without naming the others; every script calls it for
+# the keys it may have made, whether `keep` runs or not.
 _KEEP = """
 local function keep(ttl_ms)
+  local left = redis.call('PTTL', K.meta)
+  if ttl_ms > 0 and left > ttl_ms - math.min(ttl_ms / 100, 3600000) then return end
+  if ttl_ms <= 0 and left == -1 then return end
   for name, key in pairs(K) do
     if name ~= 'lease' then
       if ttl_ms > 0 then redis.call('PEXPIRE', key, ttl_ms) else redis.call('PERSIST', key) end

@@ -109,7 +109,7 @@ BEGIN = _COMMON + _EMIT + _KEEP + _BEGIN_TURN + "return reply(begin_turn(A))\n"
 # is alone in the inbox, with the lease free, has its turn begun in the same script: `began`.
 # With `A.create`, a session that does not exist yet is created first (a webhook channel's
 # conversation whose session id follows from the conversation): `created` is its event's id.
-# A new message keeps the session: every key of it expires `ttl_ms` from now.
+# A new message keeps the session: every key of it expires `ttl_ms` from now (see `keep`).
 SUBMIT = (
     _COMMON
     + _EMIT
@@ -130,7 +130,10 @@ if A.max_queued > 0 and redis.call('LLEN', K.inbox) > A.max_queued then return r
 local id = emit(A.retention, 'message.received', A.body)
 local out = {tag = 'new', id = id, seq = last_seq, created = created}
 redis.call('HSET', K.mids, A.message_id, A.turn_id .. ' ' .. id)
-if redis.call('RPUSH', K.inbox, A.entry) == 1 and A.begin and redis.call('EXISTS', K.lease) == 0 then
+if redis.call('HLEN', K.mids) == 1 then expire_with_meta(K.mids) end
+local queued = redis.call('RPUSH', K.inbox, A.entry)
+if queued == 1 then expire_with_meta(K.inbox) end
+if queued == 1 and A.begin and redis.call('EXISTS', K.lease) == 0 then
   out.began = begin_turn(A.begin)
 elseif redis.call('HGET', K.meta, 'status') == 'idle' then
   redis.call('HSET', K.meta, 'status', 'running')
@@ -214,13 +217,10 @@ elseif A.mode == 'final' then
   out.tag = 'more'
   if left == 0 then redis.call('DEL', K.lease); out.tag = 'done' end
 end
-if A.mode ~= 'step' then
-  keep(A.ttl_ms)
-else
-  if before == 0 and length > 0 then expire_with_meta(K.history) end
-  if #A.requests > 0 then expire_with_meta(K.pending) end
-  if #resolved > 0 then expire_with_meta(K.decisions) end
-end
+if before == 0 and length > 0 then expire_with_meta(K.history) end
+if #A.requests > 0 then expire_with_meta(K.pending) end
+if #resolved > 0 then expire_with_meta(K.decisions) end
+if A.mode ~= 'step' then keep(A.ttl_ms) end
 return reply(out)
 """
 )

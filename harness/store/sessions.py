@@ -5,7 +5,7 @@ matters by the session lease's fencing token; reads are plain commands. The turn
 
 A session ends when it is deleted (`delete`: every key at once) or, with `ttl_ms`, when it was
 left alone that long (every key but the lease expires at the same moment, kept by the scripts
-that create it, take a message, and end or pause a turn)."""
+that create it, take a message, and end or pause a turn: at most an hour early, `lua.keep`)."""
 
 from __future__ import annotations
 

@@ -82,7 +82,11 @@ async def test_every_write_leaves_the_session_on_one_deadline(redis: Redis, stor
     await store.create(sid, "o", {})
     created = await one(sid)
     await store.submit(sid, "o", InboxMessage(message_id="m1", turn_id="turn_1", text="wipe", sticky={"page": "p"}))
-    assert await one(sid) >= created  # `inbox`, `mids`
+    assert await one(sid) == created  # `inbox`, `mids`: the session's deadline (a fresh one is left as it is)
+    store.ttl_ms = 7_200_000  # (so that a keep shows: the deadline moves an hour on)
+    await store.submit(sid, "o", InboxMessage(message_id="m2", turn_id="turn_2", text="later"))
+    submitted = await one(sid)
+    assert submitted > created + 3_000_000  # a message keeps the session
     begun = await store.begin(sid, "", 5_000)
     assert isinstance(begun, Begun)
     await one(sid)  # `sticky`
@@ -92,12 +96,16 @@ async def test_every_write_leaves_the_session_on_one_deadline(redis: Redis, stor
     request = ApprovalRequest("req_1", "call_1", "wipe", {}, "turn_1")
     await store.commit(sid, begun.fence, "turn_1", [], [], mode="step", requests=[request])
     before = await one(sid)  # `pending`
+    assert before == submitted  # (no step keeps the session)
     await store.respond(sid, "o", "req_1", Answer("approve"))
     assert await one(sid) == before  # `decisions`, with the others
     assert SessionKeys(sid).decisions in await deadlines(redis, sid)
-    store.ttl_ms = 7_200_000  # (so that a keep shows: the deadline moves an hour on)
+    store.ttl_ms = 14_400_000
     await store.commit(sid, begun.fence, "turn_1", [], [], mode="final")  # the turn's end keeps the session
-    assert await one(sid) > before + 3_000_000
+    ended = await one(sid)
+    assert ended > before + 3_000_000
+    await store.submit(sid, "o", InboxMessage(message_id="m3", turn_id="turn_3", text="soon after"))
+    assert await one(sid) == ended  # a deadline this fresh is left as it is (no PEXPIRE per key)
 
 
 async def test_without_a_ttl_nothing_of_a_session_expires(make_harness: Any, redis: Redis) -> None:
