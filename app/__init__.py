@@ -68,6 +68,7 @@ def build_harness(
         max_queued=settings.max_queued,
         job_shards=settings.job_shards,
         replicas=1 if settings.durability == "replica" else 0,
+        session_ttl_ms=settings.session_ttl_ms,
     )
 
 

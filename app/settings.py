@@ -79,6 +79,8 @@ def is_loopback(host: str) -> bool:
 
 
 TOKENS_PER_SESSION = RateLimit(60, 60)
+DAY_MS = 86_400_000
+SESSION_TTL_DAYS = 30  # a session nobody wrote to for a month is let go (KEEL_SESSION_TTL_DAYS)
 
 
 @dataclass(frozen=True)
@@ -127,6 +129,9 @@ class Settings:
     job_shards: int = 0  # turn job streams (0: 1 on one server, 8 on a cluster)
     drain_s: float = 10.0  # SIGTERM: the drain's bound, then the process exits
     durability: str = "primary"  # "replica": every commit waits for a replica before it is acknowledged
+    # a session left alone this long expires, all of it (0: never); days in the environment,
+    # ms here (tests use a few)
+    session_ttl_ms: int = SESSION_TTL_DAYS * DAY_MS
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> Settings:
@@ -177,6 +182,7 @@ class Settings:
             job_shards=_int(env, "KEEL_JOB_SHARDS", 0, low=0),
             drain_s=_float(env, "KEEL_DRAIN_S", 10.0),
             durability=(env.get("KEEL_DURABILITY") or "primary").lower(),
+            session_ttl_ms=_int(env, "KEEL_SESSION_TTL_DAYS", SESSION_TTL_DAYS, low=0) * DAY_MS,
         )
         if settings.durability not in ("primary", "replica"):
             raise SettingsError(f"KEEL_DURABILITY must be primary or replica, not {settings.durability!r}")

@@ -144,6 +144,22 @@ class MessageDelta(msgspec.Struct):
     data: DeltaData
 
 
+class DeletedData(msgspec.Struct):
+    reason: Literal["deleted", "gone"]  # deleted: by DELETE; gone: found no longer there (expired, say)
+
+
+class SessionDeleted(msgspec.Struct):
+    """The last thing a reader of a session gets when the session ends (`harness.events.
+    session_deleted` writes these bytes): on SSE as `event: session.deleted` without `id:`, then
+    the stream ends; on the websocket as a frame, then a close (4404). Never stored or replayed."""
+
+    type: Literal["session.deleted"]
+    session_id: str
+    turn_id: None
+    at: float
+    data: DeletedData
+
+
 class WsError(msgspec.Struct, tag="error", tag_field="type", omit_defaults=True):
     error: ErrorDetail
     ref: str | None = None  # the bad frame's `ref`, when it had one

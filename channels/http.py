@@ -263,6 +263,19 @@ async def get_session(request: Request) -> Response:
     return json_response(info)
 
 
+@operation(
+    "Delete a session: all of it, at once",
+    Answer(204, None, "Deleted: a turn in progress was stopped; readers got `session.deleted`"),
+    errors=NOT_FOUND,
+)
+async def delete_session(request: Request) -> Response:
+    """Remove the session and everything of it (history, events, queued messages, requests,
+    delivery state) in one step. A turn in progress is stopped; SSE streams and websockets of the
+    session get `session.deleted` and end. Afterwards the id is unknown (404)."""
+    await harness_of(request).delete(request.path_params["sid"], owner_of(request))
+    return Response(status_code=204)
+
+
 def int_query(request: Request, name: str, default: int, low: int, high: int) -> int:
     raw = request.query_params.get(name)
     if raw is None:

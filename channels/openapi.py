@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route, WebSocketRoute
 
-from channels.answers import ErrorEnvelope, MessageDelta, WsError, WsHeartbeat, WsPong
+from channels.answers import ErrorEnvelope, MessageDelta, SessionDeleted, WsError, WsHeartbeat, WsPong
 from channels.auth import protected
 from channels.drain import OPEN_PATHS
 from channels.spec import Answer, Operation, operation, operation_of
@@ -27,7 +27,7 @@ from harness.types import Event
 REF = "#/components/schemas/{name}"
 VERSION = "1"
 # Named schemas besides the types the routes name: the event envelope and the websocket's frames.
-NAMED: tuple[Any, ...] = (ErrorEnvelope, Event, MessageDelta, WsError, WsHeartbeat, WsPong)
+NAMED: tuple[Any, ...] = (ErrorEnvelope, Event, MessageDelta, SessionDeleted, WsError, WsHeartbeat, WsPong)
 PATH_PARAMS = {
     "sid": {"type": "string", "pattern": SESSION_ID.pattern},
     "wid": {"type": "string", "minLength": 1},
@@ -119,7 +119,7 @@ def document(routes: Iterable[BaseRoute]) -> dict[str, Any]:
     schema_of = dict(zip(types, schemas, strict=True))
     components = dict(sorted(components.items()))
     components["WsServerFrame"] = {
-        "anyOf": [_ref(n) for n in ("Event", "MessageDelta", "WsError", "WsHeartbeat", "WsPong")]
+        "anyOf": [_ref(n) for n in ("Event", "MessageDelta", "SessionDeleted", "WsError", "WsHeartbeat", "WsPong")]
     }
     paths: dict[str, dict[str, Any]] = {}
     for path, method, endpoint, op in ops:

@@ -32,6 +32,7 @@ def routes(*, demo_folder: Path | None = None, webhooks: Sequence[WebhookChannel
         Route("/openapi.json", serve_openapi, methods=["GET"]),
         Route("/v1/sessions", http.create_session, methods=["POST"]),
         Route("/v1/sessions/{sid}", http.get_session, methods=["GET"]),
+        Route("/v1/sessions/{sid}", http.delete_session, methods=["DELETE"]),
         Route("/v1/sessions/{sid}/messages", http.send_message, methods=["POST"]),
         Route("/v1/sessions/{sid}/history", http.get_history, methods=["GET"]),
         Route("/v1/sessions/{sid}/responses", http.respond, methods=["POST"]),

@@ -2,8 +2,10 @@
 
 `id:` is the event id (a Redis stream id), `event:` its type, `data:` the envelope. A client
 resumes with `Last-Event-ID` (EventSource does this itself) or `?after=`; a comment line is sent
-as a heartbeat when nothing happened for a while. The stream ends (cleanly) only when the process
-drains: the client reconnects, to another process, after its last event."""
+as a heartbeat when nothing happened for a while. The stream ends (cleanly) when the process
+drains (the client reconnects, to another process, after its last event) or when the session
+does: `event: session.deleted` (no `id:`) is then its last event (EventSource's reconnection then
+gets 404, and stops)."""
 
 from __future__ import annotations
 
@@ -45,8 +47,9 @@ EVENT_ID = {"type": "string", "pattern": "^[0-9]{1,20}-[0-9]{1,20}$"}
         200,
         str,
         "`id:` the event id, `event:` its type, `data:` the envelope (`Event`, or a `MessageDelta` without "
-        "`id:`); a `:` comment line as a heartbeat. The stream ends only when the process shuts down: "
-        "reconnect with Last-Event-ID.",
+        "`id:`); a `:` comment line as a heartbeat. The stream ends when the process drains (reconnect "
+        "with Last-Event-ID) or when the session does: its last event is then `session.deleted` "
+        "(`SessionDeleted`, without `id:`).",
         media="text/event-stream",
     ),
     errors={**NOT_FOUND, 400: "`invalid_event_id`", 429: "`too_many_readers` of this session (Retry-After)"},

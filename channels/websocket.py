@@ -5,12 +5,13 @@ outbox order, starting after `after` (from the first event without it): a client
 reconnects with the last id it saw misses nothing and sees nothing twice, across restarts too.
 Besides them: `{"type": "error", "error": {"code", "message"}, "ref"}` for a bad frame (the
 connection stays), `{"type": "heartbeat", "at"}` after `heartbeat` seconds without a frame,
-and `{"type": "pong", "ref"}`.
+and `{"type": "pong", "ref"}`. When the session is deleted (or found gone), the socket gets a
+`session.deleted` frame (`SessionDeleted`) and is closed with 4404.
 
 Client frames (JSON text): message, respond, cancel, compact, clear, ping (`channels.types`).
 
 Close codes: 4401 no valid key or token, 4403 origin not allowed, 4404 unknown session (or
-another owner's), 4400 a bad `after`, 4429 the session has its fill of readers in this process
+another owner's, or deleted while open), 4400 a bad `after`, 4429 the session has its fill of readers in this process
 (or the token of websockets), 1009 a frame over the size limit, 1003 a binary frame,
 1008 too many bad frames in a row, 1013 the client does not read fast enough (its send queue
 stayed full), 1012 the server is restarting (its process drains: reconnect, to another process,
@@ -93,7 +94,8 @@ def origin_allowed(ws: WebSocket, origins: tuple[str, ...]) -> bool:
         Param("token", {"type": "string"}, "A token from `POST .../tokens` (browsers), instead of an API key"),
     ),
     websocket=(WsFrame, "WsServerFrame"),
-    description="Close codes: 4401 no valid key or token, 4403 Origin not allowed, 4404 unknown session, "
+    description="Close codes: 4401 no valid key or token, 4403 Origin not allowed, 4404 unknown session "
+    "(or deleted while open: after a `session.deleted` frame), "
     "4400 a bad `after`, 4429 the session's readers or the token's sockets at their bound, "
     "1009 a frame too large, 1003 a binary frame, 1008 more than 20 bad frames in a row, "
     "1013 the client stopped reading or storage is briefly unavailable, 1012 the server is shutting down.",
@@ -186,7 +188,7 @@ class Connection:
         self.ws, self.harness, self.config, self.sid, self.owner = ws, harness, config, sid, owner
         self.gate = gate
         self.drain = drain
-        self.queue: asyncio.Queue[str | bytes] = asyncio.Queue(config.send_queue)
+        self.queue: asyncio.Queue[str | bytes | Closed] = asyncio.Queue(config.send_queue)
         self.bad = 0
         self.rid = request_id.get() or ""  # the socket's (RequestIds); each frame's is <it>.<n>
         self.frames = 0
@@ -215,8 +217,12 @@ class Connection:
         async for event in self.harness.tail(self.sid, after, heartbeat=self.config.heartbeat, gate=self.gate):
             frame = event.raw if event is not None else _enc.encode(WsHeartbeat(time.time()))
             await self._send(frame)
+        # the session ended (its session.deleted was the last frame): the writer closes the
+        # socket once every frame before it is out
+        await self._send(Closed(4404, "session deleted"))
+        await asyncio.Future()
 
-    async def _send(self, frame: str | bytes) -> None:
+    async def _send(self, frame: str | bytes | Closed) -> None:
         try:  # (asyncio.timeout: wait_for on 3.11 can swallow the cancellation that ends this task)
             async with asyncio.timeout(self.config.slow_s):
                 await self.queue.put(frame)
@@ -226,6 +232,8 @@ class Connection:
     async def _write(self) -> None:
         while True:
             frame = await self.queue.get()
+            if isinstance(frame, Closed):
+                raise frame
             if isinstance(frame, bytes):
                 await self.ws.send_text(frame.decode())
             else:

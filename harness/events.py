@@ -49,6 +49,14 @@ def delta(sid: str, turn_id: str, item_id: str, text: str, offset: int) -> LiveE
     )
 
 
+def session_deleted(sid: str, reason: str) -> LiveEvent:
+    """The last thing a reader of a session gets when the session ends: `reason` "deleted" (a
+    DELETE, told to every process) or "gone" (the reader found it no longer there: deleted while
+    the notice was lost, or expired). Transient, as a delta: never stored, no id."""
+    body = event_body(None, {"reason": reason})
+    return LiveEvent("session.deleted", b'{"type":"session.deleted","session_id":' + _enc.encode(sid) + b"," + body, "")
+
+
 class _Part(msgspec.Struct):
     item_id: str = ""
 

@@ -110,8 +110,7 @@ class Runner:
         self.calls.hand_over()
         for wake in self._busy.values():
             wake.set()
-        # The job reader ends after its current read (block_ms at most), a turn at its model call,
-        # a session held for a submit (`reserve`) once the submit is back and its turn handed over.
+        # (the job readers end after their read; a turn at its model call; a reserved one once back)
         while (self._active or any(not t.done() for t in self._loops)) and loop.time() < deadline:
             running = {t for t in (*self._loops, *self._tasks) if not t.done()}
             if running:
@@ -124,9 +123,8 @@ class Runner:
             with contextlib.suppress(Exception):
                 await self.store.release(sid, fence)
         given, self._given = self._given, {}
-        for sid in given:
-            await self.store.add_job(sid)
         for sid, jobs in given.items():
+            await self.store.add_job(sid)
             if jobs:
                 await self.jobs.of(sid).done(*jobs)
         self.stats.handed_over += len(given)
@@ -143,10 +141,9 @@ class Runner:
         self._run(sid)
 
     async def reserve(self, sid: str) -> bool:
-        """Hold the session, and a runner slot, for a submit that may begin its turn (SUBMIT
-        begins the turn of a message it finds alone): a turn begun so has a slot at once, so its
-        lease is renewed from the start. While held, a job for it off the stream is only noted.
-        False if the session is running here already, or no slot is free: submit as usual."""
+        """Hold the session and a runner slot for a submit that may begin its turn (its lease is
+        then renewed from the start; a job for it off the stream is only noted meanwhile). False
+        if it runs here already, no slot is free or the process drains: submit as usual."""
         if sid in self._active or self._slots.locked() or self._leaving.is_set():
             return False
         await self._slots.acquire()  # free, so this returns without suspending
@@ -211,8 +208,7 @@ class Runner:
         return mine
 
     def _ack(self, sid: str, job_id: str) -> None:
-        """Acknowledge soon, together with others. Lost in a crash, the job is reclaimed, finds
-        nothing to do, and is acknowledged then."""
+        """Acknowledge soon, with others (lost in a crash, it is reclaimed and finds nothing)."""
         self._acks.append((sid, job_id))
         if self._acking is None:
             self._acking = asyncio.create_task(self._flush_acks())
@@ -266,8 +262,7 @@ class Runner:
         task.add_done_callback(self._done)
 
     def runs(self, sid: str) -> bool:
-        """Whether this process is running a turn of the session now (holds its lease): not
-        while it only waits on another runner's lease, whose commits the poller must see."""
+        """Whether this process runs a turn of the session now (holds its lease; not only waits)."""
         return sid in self._holding
 
     def _done(self, task: asyncio.Task[None]) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 from harness import failpoints
 from harness.agent import Agent
 from harness.context import split_context
+from harness.ending import SessionEnds
 from harness.errors import Conflict, InvalidInput, NotFound
 from harness.events import StoredEvent
 from harness.hooktargets import HookTargets
@@ -49,7 +50,7 @@ MESSAGE_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 MAX_REASON = 2_000
 
 
-class Harness(SessionReads):
+class Harness(SessionReads, SessionEnds):
     def __init__(
         self,
         redis: Client,
@@ -64,15 +65,16 @@ class Harness(SessionReads):
         max_queued: int = 0,
         job_shards: int = 0,
         replicas: int = 0,
+        session_ttl_ms: int = 0,
     ) -> None:
         self.redis = redis
         self.agent = agent
-        self.store = Store(redis, retention=retention, max_queued=max_queued, job_shards=job_shards, replicas=replicas)
+        options = {"job_shards": job_shards, "replicas": replicas, "ttl_ms": session_ttl_ms}  # (ttl 0: never)
+        self.store = Store(redis, retention=retention, max_queued=max_queued, **options)
         buckets = RateBuckets(self.store.wire)
         self.limiter = RateLimiter(buckets, rate_limit, "for this API key") if rate_limit is not None else None
         self.token_limiter = RateLimiter(buckets, token_rate, "for this session's tokens") if token_rate else None
         self.stats = HarnessStats()  # what this process counts (app/metrics.py exposes it)
-        self.jobs = self.store.jobs
         self.runner: Runner | None = None
         self.hub = EventHub(redis, self.store.wire, runs_here=self._runs_here, cancelled=self._interrupt)
         self.outbox = Outbox(self.store, self.hub)
@@ -86,7 +88,7 @@ class Harness(SessionReads):
         if run_turns:
             self.runner = Runner(
                 self.store,
-                self.jobs,
+                self.store.jobs,
                 agent,
                 self._published,
                 live=self.hub,
@@ -139,7 +141,7 @@ class Harness(SessionReads):
             log.warning("webhooks: queueing deliveries for %s failed: %s", sid, exc)
 
     async def start(self) -> None:
-        await self.jobs.ensure_groups()
+        await self.store.jobs.ensure_groups()
         await self.store.load_scripts()
         self.hub.start()
         if self.runner is not None:
@@ -171,7 +173,7 @@ class Harness(SessionReads):
 
     async def queue_depth(self) -> Depth:
         """The turn job stream's backlog (jobs not done, the oldest's age), read from Redis now."""
-        return await self.jobs.depth()
+        return await self.store.jobs.depth()
 
     async def ping(self) -> None:
         """Raises `Unavailable` when storage does not answer (readiness)."""

@@ -388,7 +388,7 @@ class TurnRunner:
                 announce=announce or (),
             )
         except StaleLease:
-            log.warning("session %s turn %s: lease lost, stopping", self.sid, self.turn_id)
+            log.warning("session %s turn %s: lease lost (or session deleted), stopping", self.sid, self.turn_id)
             raise
         if after is not None:
             failpoints.reached(after)

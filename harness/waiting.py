@@ -1,11 +1,12 @@
 """Waiting for a turn to settle (`?wait=true`): its events, read from its message on, until
-the newest of them says how the turn came out."""
+the newest of them says how the turn came out (NotFound if the session ends meanwhile)."""
 
 from __future__ import annotations
 
 import asyncio
 from typing import Any
 
+from harness.errors import NotFound
 from harness.events import decode_data
 from harness.store import Outbox, Watch
 from harness.types import SubmitResult, TurnResult
@@ -48,7 +49,9 @@ async def collect_turn(
                         reply=reply,
                         events=events,
                     )
-            await watch.wait(min(timeout, 5.0))  # woken, or a periodic look in case a wake-up was lost
+            woken = await watch.wait(min(timeout, 5.0))  # or a periodic look in case a wake-up was lost
+            if watch.ended is not None or (not woken and not await outbox.store.exists(sid)):
+                raise NotFound(f"session {sid} was deleted", code="session_not_found")
             read = True
 
     try:

@@ -13,10 +13,11 @@ from typing import Any
 
 import msgspec
 
-from harness.store import protocol as p
+from harness.store import protocol_relay as p
 from harness.store.client import Client, translated
 from harness.store.clusterwire import AnyWire
 from harness.store.keys import RELAY_GROUP, RELAY_JOBS, RELAY_LATER, DeliveryKeys, RelayKeys, dead_letters
+from harness.store.protocol import Script
 from harness.store.queue import JobQueue
 
 
@@ -69,7 +70,7 @@ class Deliveries:
         self.redis = redis
         self.wire = wire
 
-    async def _run(self, script: p.Script[Any], keys: DeliveryKeys, args: msgspec.Struct) -> Any:
+    async def _run(self, script: Script[Any], keys: DeliveryKeys, args: msgspec.Struct) -> Any:
         assert self.wire is not None, "leases and cursors go by the relay's wire"
         raw = await self.wire.script(script.sha, script.source, script.keys(keys), script.args(args))
         return script.reply(raw)
@@ -77,7 +78,8 @@ class Deliveries:
     @translated
     async def take(self, sid: str, destination: str, token: str, ttl_ms: int) -> DeliveryState | int:
         """The lease and the state, or how many ms until the lease held by another relay lapses."""
-        res = await self._run(p.RELAY_TAKE, DeliveryKeys(sid, destination), p.LeaseArgs(token, ttl_ms))
+        args = p.RelayTakeArgs(token, ttl_ms, destination)
+        res = await self._run(p.RELAY_TAKE, DeliveryKeys(sid, destination), args)
         if isinstance(res, p.RelayBusy):
             return max(int(res.retry_ms), 1)
         raw = dict(res.state)

@@ -7,7 +7,8 @@ a read of the outbox returns); commits made by other processes are heard as the 
 script publishes on the session's channel (sharded pub/sub, see `live`), which every watch
 subscribes to before its reader reads. A reader takes published events only when they continue
 exactly where it is (the next seq, no gap); otherwise it reads the outbox stream, which is
-always the truth.
+always the truth. A session that ends (deleted) ends its
+watches here and, through the `LiveRelay`, in the processes that have readers of it (`ended`).
 """
 
 from __future__ import annotations
@@ -46,6 +47,12 @@ class Watch:
         self.live = live and not settled_only  # takes live events (message.delta)
         self._pushed: list[StoredEvent] = []
         self._overflow = False
+        self.ended: str | None = None  # why the session ended ("deleted"): its reader stops
+
+    def end(self, reason: str) -> None:
+        """The session ended: the reader is woken to stop."""
+        self.ended = reason
+        self._signal()
 
     def wake(self) -> None:
         """Something was committed: the reader should read."""
@@ -141,7 +148,13 @@ class EventHub:
         self._relay = None
         if redis is not None and wire is not None:
             self._relay = LiveRelay(
-                redis, wire, self._arrived, cancelled=cancelled, committed=self._committed, missed=self._missed
+                redis,
+                wire,
+                self._arrived,
+                cancelled=cancelled,
+                committed=self._committed,
+                missed=self._missed,
+                ended=self._ended_here,
             )
 
     def publish(self, sid: str, events: list[StoredEvent], *, settled: bool = True) -> None:
@@ -199,6 +212,16 @@ class EventHub:
         self._cancelled(sid, turn_id)
         if self._relay is not None:
             self._relay.cancel(sid, turn_id)
+
+    def ended(self, sid: str) -> None:
+        """The session was deleted: its watches here and in other processes end."""
+        self._ended_here(sid)
+        if self._relay is not None:
+            self._relay.ended(sid)
+
+    def _ended_here(self, sid: str) -> None:
+        for w in self._watches.get(sid, ()):
+            w.end("deleted")
 
     async def flush_live(self) -> None:
         if self._relay is not None:

@@ -69,6 +69,7 @@ class SessionKeys:
         "mids",
         "outbox",
         "pending",
+        "relays",
         "sid",
         "sticky",
     )
@@ -85,6 +86,7 @@ class SessionKeys:
         self.lease = base + "lease"  # string: fencing token of the runner that owns the session
         self.pending = base + "pending"  # hash: request_id -> the approval request (never rewritten)
         self.decisions = base + "decisions"  # hash: request_id -> the answer to it
+        self.relays = base + "relays"  # set: the destinations whose delivery keys (below) it has
         self.live = base + "live"  # pub/sub channel: transient events (message.delta), never stored
 
 
@@ -105,13 +107,14 @@ class QuotaKeys:
 class DeliveryKeys:
     """The keys of one session's deliveries to one destination (same hash tag as the session)."""
 
-    __slots__ = ("inbox", "lease", "meta", "outbox", "state")
+    __slots__ = ("inbox", "lease", "meta", "outbox", "relays", "state")
 
     def __init__(self, sid: str, destination: str) -> None:
         base = f"{PREFIX}:{{{sid}}}:"
         self.meta = base + "meta"
         self.inbox = base + "inbox"
         self.outbox = base + "outbox"
+        self.relays = base + "relays"
         # hash: cursor (last event delivered), doubt (refs whose posts may have been made),
         # last (the destination's handle of the newest post), r:<ref> (handles kept for later)
         self.state = base + "relay:" + destination

@@ -10,7 +10,8 @@ place, is not resent. A process skips the live events it published itself (each 
 its origin). A subscription confirmed again after a gap (a lost connection, a slot that moved)
 tells the hub to have the session's readers read what they may have missed. A cancel notice
 (`cancel`) only hurries the process running the turn: the cancel itself is committed first, and
-that process sees it at its next commit anyway.
+that process sees it at its next commit anyway. A session's end (`ended`: it was deleted) goes
+on its channel as a line of its own, `ENDED`, to the readers of the session in every process.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from harness.store.shardsub import ShardSubscriber
 
 log = logging.getLogger("keel.live")
 FLUSH_WAIT_S = 1.0  # a commit waits at most this long for its deltas to be published
+ENDED = b"!ended"  # a line on a session's channel: the session was deleted (no event envelope starts so)
 
 
 class LiveRelay:
@@ -42,12 +44,14 @@ class LiveRelay:
         cancelled: Callable[[str, str], None] = lambda sid, turn_id: None,
         committed: Callable[[str, str], None] = lambda sid, event_id: None,
         missed: Callable[[str], None] = lambda sid: None,
+        ended: Callable[[str], None] = lambda sid: None,
     ) -> None:
         self._wire = wire
         self._deliver = deliver  # an event another process published, for this process's readers
         self._cancelled = cancelled  # a cancel notice from another process: (session, turn)
         self._committed = committed  # a commit's notice: (session, newest event id)
         self._missed = missed  # a session whose notices may have been missed
+        self._ended = ended  # a session another process deleted
         self._origin = os.urandom(8).hex().encode()
         self._outgoing: list[tuple[str, bytes]] = []
         self._flusher: asyncio.Task[None] | None = None
@@ -76,6 +80,10 @@ class LiveRelay:
         """Tell every process that the turn is to be cancelled (the one running it stops its
         model call at once)."""
         self._queue(CANCELS, f"{sid} {turn_id}".encode())
+
+    def ended(self, sid: str) -> None:
+        """Tell the readers of the session in every other process that it was deleted."""
+        self._queue(SessionKeys(sid).live, ENDED)
 
     def _queue(self, channel: str, data: bytes) -> None:
         self._outgoing.append((channel, data))
@@ -165,4 +173,7 @@ class LiveRelay:
         else:
             sid = session_of(channel)
             for raw in data.split(b"\n"):
-                self._deliver(sid, live_event(raw))
+                if raw == ENDED:
+                    self._ended(sid)
+                else:
+                    self._deliver(sid, live_event(raw))

@@ -22,7 +22,13 @@ progress: a BEGIN that finds it so took the turn over from a lapsed lease).
 The inbox holds user messages and, queued among them, manual compact and clear entries (`kind`);
 the current turn is always the inbox head.
 
-The delivery relay's scripts and the rate limiter's are in `lua_relay`.
+A session ends two ways, and all of it at once: DELETE removes every key of it, and with a
+session TTL (`ttl_ms`) every key but the lease expires at the same moment (`keep`,
+`expire_with_meta` below). A script that finds no meta writes nothing (a runner's write after
+the end is refused), so nothing of a session that ended is made again.
+
+The turn's scripts (SUBMIT, BEGIN, COMMIT, the attempts' accounting) are in `lua_turn`; the
+delivery relay's and the rate limiter's in `lua_relay`.
 """
 
 from __future__ import annotations
@@ -72,16 +78,29 @@ local function body(turn_id, at, data_json)
 end
 """
 
-# A model attempt's tokens: counters, the provider's last report with keel's estimate of the
-# same request (turn calls only, for compaction's threshold), and its usage.recorded.
-_USAGE = """
-local function record_usage(retention, u)
-  redis.call('HINCRBY', K.meta, 'u_in', u.input_tokens)
-  redis.call('HINCRBY', K.meta, 'u_out', u.output_tokens)
-  redis.call('HINCRBY', K.meta, 'u_cached', u.cached_tokens)
-  if u.cache_write_tokens > 0 then redis.call('HINCRBY', K.meta, 'u_cwrite', u.cache_write_tokens) end
-  if u.last_est then redis.call('HSET', K.meta, 'last_in', u.input_tokens, 'last_est', u.last_est) end
-  return emit(retention, 'usage.recorded', u.body)
+# The session's expiry: every key of a session but its lease (which has its own) expires at the
+# same moment. `keep`, in a script that names every key of the session (CREATE, SUBMIT, a
+# COMMIT that ends or pauses a turn), sets them all to expire `ttl_ms` from now (0: never);
+# within one script the server's clock stands still, so they get the very same deadline. It
+# does so at most every hundredth of the TTL (an hour at most): a deadline fresher than that is
+# left as it is (so a busy session costs one PTTL a script, not a PEXPIRE per key).
+# `expire_with_meta` gives a key a script may have just made (a first approval request, a first
+# answer, ...) the deadline its meta has, without naming the others; every script calls it for
+# the keys it may have made, whether `keep` runs or not.
+_KEEP = """
+local function keep(ttl_ms)
+  local left = redis.call('PTTL', K.meta)
+  if ttl_ms > 0 and left > ttl_ms - math.min(ttl_ms / 100, 3600000) then return end
+  if ttl_ms <= 0 and left == -1 then return end
+  for name, key in pairs(K) do
+    if name ~= 'lease' then
+      if ttl_ms > 0 then redis.call('PEXPIRE', key, ttl_ms) else redis.call('PERSIST', key) end
+    end
+  end
+end
+local function expire_with_meta(key)
+  local at = redis.call('PEXPIRETIME', K.meta)
+  if at > 0 then redis.call('PEXPIREAT', key, at) elseif at == -1 then redis.call('PERSIST', key) end
 end
 """
 
@@ -99,10 +118,12 @@ end
 CREATE = (
     _COMMON
     + _EMIT
+    + _KEEP
     + _CREATE
     + """
 if redis.call('EXISTS', K.meta) == 1 then return reply({tag = 'exists'}) end
 local id = create_session(A)
+keep(A.ttl_ms)
 return reply({tag = 'ok', id = id, seq = first_seq})
 """
 )
@@ -110,216 +131,23 @@ return reply({tag = 'ok', id = id, seq = first_seq})
 # Queues a compact or clear behind the turns before it.
 ENQUEUE = (
     _COMMON
+    + _KEEP
     + """
 if not owns(A.owner) then return reply({tag = 'missing'}) end
 if A.max_queued > 0 and redis.call('LLEN', K.inbox) > A.max_queued then return reply({tag = 'full'}) end
 redis.call('RPUSH', K.inbox, A.entry)
+expire_with_meta(K.inbox)
 if redis.call('HGET', K.meta, 'status') == 'idle' then redis.call('HSET', K.meta, 'status', 'running') end
 return reply({tag = 'ok'})
 """
 )
-
-# Takes the session for one turn: lease with a new fencing token, keyed context applied,
-# turn.started emitted once per turn (and its first model call counted, before it is made),
-# and everything the turn needs to run, in one trip. A compact entry emits compaction.requested
-# instead; a clear, nothing.
-# A turn paused for approval is not taken until its requests are all answered (or it is
-# cancelled). History comes back from `have_start + have_len` on when the caller's cached copy
-# starts at the same index and is not longer than the list; else all of the active history.
-# `begin_turn` is shared with SUBMIT, which begins the turn of a message it finds alone.
-_BEGIN_TURN = """
-local function begin_turn(B)
-  local meta = redis.call('HMGET', K.meta, 'owner', 'cancel', 'status', 'undecided', 'turn', 'hist_start',
-    'turn_start', 'waiting_on', 'last_in', 'last_est', 'held')
-  if not meta[1] then return {tag = 'missing'} end
-  local head = redis.call('LINDEX', K.inbox, 0)
-  if not head then return {tag = 'empty'} end
-  local m = cjson.decode(head)
-  local cancel = meta[2] == m.turn_id
-  if meta[3] == 'waiting' and not cancel and tonumber(meta[4] or 0) > 0 then
-    return {tag = 'waiting'}
-  end
-  local holder = redis.call('GET', K.lease)
-  if holder and holder ~= B.fence then return {tag = 'busy', retry_ms = redis.call('PTTL', K.lease)} end
-  local fence = redis.call('HINCRBY', K.meta, 'fence', 1)
-  redis.call('SET', K.lease, fence, 'PX', B.lease_ms)
-  -- the turn in progress was held by a runner that never paused or ended it: its lease lapsed
-  local out = {tag = 'ok', fence = fence, head = head, cancel = cancel,
-    took_over = meta[5] == m.turn_id and meta[11] == '1'}
-  local kind = m.kind or 'message'
-  local length = redis.call('LLEN', K.history)
-  local turn_start = tonumber(meta[7])
-  local waiting_on = meta[8] or ''
-  if meta[5] ~= m.turn_id then
-    if kind == 'message' and type(m.sticky) == 'table' then
-      for k, v in pairs(m.sticky) do
-        if v == cjson.null then redis.call('HDEL', K.sticky, k)
-        elseif type(v) == 'string' then redis.call('HSET', K.sticky, k, v) end
-      end
-    end
-    turn_start, waiting_on = length, ''
-    redis.call('HSET', K.meta, 'turn', m.turn_id, 'turn_start', turn_start, 'status', 'running',
-      'waiting_on', '', 'undecided', 0, 'held', 1)
-    local started = nil
-    if kind == 'message' then
-      started = {'turn.started', '{"message_id":' .. cjson.encode(m.message_id) .. '}'}
-      if not cancel then redis.call('HINCRBY', K.meta, 'u_calls', 1) end  -- the model call that comes next
-    elseif kind == 'compact' then
-      started = {'compaction.requested', '{"reason":"manual"}'}
-    end
-    if started then
-      out.started_body = body(m.turn_id, B.now, started[2])
-      out.started_id = emit(B.retention, started[1], out.started_body)
-      out.started_seq = last_seq
-    end
-  else
-    redis.call('HSET', K.meta, 'status', 'running', 'held', 1)
-  end
-  local start = tonumber(meta[6])
-  local from = start
-  if B.have_start == start and start + B.have_len <= length then from = start + B.have_len end
-  local decisions = {}
-  for rid in string.gmatch(waiting_on, '%S+') do
-    decisions[#decisions + 1] = rid
-    decisions[#decisions + 1] = redis.call('HGET', K.decisions, rid) or ''
-  end
-  out.n_before = turn_start - start
-  out.start = start
-  out.reused = from - start
-  out.items = redis.call('LRANGE', K.history, from, -1)
-  out.sticky = pairs_of(redis.call('HGETALL', K.sticky))
-  out.decisions = pairs_of(decisions)
-  out.last_in = tonumber(meta[9]) or 0
-  out.last_est = tonumber(meta[10]) or 0
-  return out
-end
-"""
-
-BEGIN = _COMMON + _EMIT + _BEGIN_TURN + "return reply(begin_turn(A))\n"
-
-# Records a message (idempotent on its message_id) with its message.received event. With
-# `A.begin` (a process that runs turns, and runs none of this session's now), a message that
-# is alone in the inbox, with the lease free, has its turn begun in the same script: `began`.
-# With `A.create`, a session that does not exist yet is created first (a webhook channel's
-# conversation whose session id follows from the conversation): `created` is its event's id.
-SUBMIT = (
-    _COMMON
-    + _EMIT
-    + _CREATE
-    + _BEGIN_TURN
-    + """
-local created = nil
-if A.create and redis.call('EXISTS', K.meta) == 0 then created = create_session(A.create) end
-if not owns(A.owner) then return reply({tag = 'missing'}) end
-local prev = redis.call('HGET', K.mids, A.message_id)
-if prev then
-  local turn_id, received_id = string.match(prev, '^(.*) (%S+)$')
-  return reply({tag = 'dup', turn_id = turn_id, received_id = received_id})
-end
--- (the inbox's head is the turn in progress: `max_queued` may wait behind it)
-if A.max_queued > 0 and redis.call('LLEN', K.inbox) > A.max_queued then return reply({tag = 'full'}) end
-local id = emit(A.retention, 'message.received', A.body)
-local out = {tag = 'new', id = id, seq = last_seq, created = created}
-redis.call('HSET', K.mids, A.message_id, A.turn_id .. ' ' .. id)
-if redis.call('RPUSH', K.inbox, A.entry) == 1 and A.begin and redis.call('EXISTS', K.lease) == 0 then
-  out.began = begin_turn(A.begin)
-  return reply(out)
-end
-if redis.call('HGET', K.meta, 'status') == 'idle' then redis.call('HSET', K.meta, 'status', 'running') end
-return reply(out)
-"""
-)
-
-# One step's results and events, guarded by the fencing token. Modes: 'step'; 'final', the end
-# of the turn (the message leaves the inbox; the lease is released if the inbox is empty, else
-# kept for the next turn); 'pause' for approval (requests stored, status waiting, lease
-# released). Any mode reports whether a cancel was asked for this turn ('pause' then does not
-# pause). Answers the harness gives itself (withdrawn requests of a cancelled turn) never
-# replace one already recorded; each one that is set emits its input.resolved.
-# With `attempt` the model call that follows this commit is counted (unless a cancel is pending).
-# A rebase (compaction, clear) makes the appended items the whole active history: it begins at
-# the first of them, and the current turn's items at `rebase` of them; the provider's last
-# token report no longer describes the context, so it is forgotten.
-# A model step's tokens (`usage`) are recorded first, before the fence is checked: the
-# attempt happened whoever owns the session now, and a refused commit still leaves them (I5).
-# A turn's events never say something happened that did not (a cancel may be accepted at any
-# time): with `guard`, a commit that finds a cancel pending writes nothing but the usage
-# ('dropped'); `announce` (the next tool call's tool.started) is written only if none is pending.
-COMMIT = (
-    _COMMON
-    + _EMIT
-    + _USAGE
-    + """
-local ids = {}
-if A.usage then ids[1] = record_usage(A.retention, A.usage) end
-local state = redis.call('HMGET', K.meta, 'turn', 'cancel')
-if redis.call('GET', K.lease) ~= A.fence or state[1] ~= A.turn_id then
-  return reply({tag = 'stale'})
-end
-local cancel = state[2] == A.turn_id
-if A.guard and cancel then  -- what it would announce will not happen: the usage only
-  return reply({tag = 'dropped', ids = ids, length = 0, cancel = true, first_seq = first_seq, resolved = {}})
-end
-local before = redis.call('LLEN', K.history)
-local length = before
-for j = 1, #A.items, 1000 do  -- (unpack has a limit: a long rebase goes in slices)
-  length = redis.call('RPUSH', K.history, unpack(A.items, j, math.min(j + 999, #A.items)))
-end
-if A.rebase then
-  redis.call('HSET', K.meta, 'hist_start', before, 'turn_start', before + A.rebase, 'last_in', 0, 'last_est', 0)
-end
-for _, r in ipairs(A.requests) do redis.call('HSET', K.pending, r.request_id, r.json) end
-local resolved = {}  -- which of the given answers were set (and emitted), 0-based
-for j, a in ipairs(A.answers) do
-  if redis.call('HSETNX', K.decisions, a.request_id, a.json) == 1 then
-    ids[#ids + 1] = emit(A.retention, 'input.resolved', a.body)
-    resolved[#resolved + 1] = j - 1
-  end
-end
-for _, e in ipairs(A.events) do ids[#ids + 1] = emit(A.retention, e.type, e.body) end
-if not cancel then
-  for _, e in ipairs(A.announce) do ids[#ids + 1] = emit(A.retention, e.type, e.body) end
-end
-if A.attempt and not cancel then redis.call('HINCRBY', K.meta, 'u_calls', 1) end
-local out = {tag = 'ok', ids = ids, length = length, cancel = cancel, first_seq = first_seq, resolved = resolved}
-if A.mode == 'pause' then
-  redis.call('HSET', K.meta, 'waiting_on', table.concat(A.waiting_on, ' '), 'undecided', #A.waiting_on)
-  if not cancel then
-    redis.call('HSET', K.meta, 'status', 'waiting', 'held', 0)
-    redis.call('DEL', K.lease)
-    out.tag = 'paused'
-  end
-elseif A.mode == 'final' then
-  redis.call('LPOP', K.inbox)
-  local left = redis.call('LLEN', K.inbox)
-  redis.call('HSET', K.meta, 'turn', '', 'status', left > 0 and 'running' or 'idle', 'waiting_on', '', 'undecided', 0,
-    'held', 0)
-  if cancel then redis.call('HSET', K.meta, 'cancel', '') end
-  out.cancel = false
-  out.tag = 'more'
-  if left == 0 then redis.call('DEL', K.lease); out.tag = 'done' end
-end
-return reply(out)
-"""
-)
-
-# Provider attempts are counted (u_calls) before they are made, by the write that precedes them
-# (BEGIN, a commit with attempt, or ATTEMPT), so one whose reply dies with the process still
-# counts. Their tokens are recorded by the commit of their step (COMMIT's `usage`), or here for
-# an attempt that failed or one no commit follows (compaction's summary call): not fenced,
-# since the attempt happened whoever owns the session now.
-USAGE = (
-    _COMMON + _EMIT + _USAGE + "return reply({tag = 'ok', id = record_usage(A.retention, A.usage), seq = first_seq})\n"
-)
-
-# Counts a model call about to be made (when no other write precedes it).
-ATTEMPT = _COMMON + "return reply({n = redis.call('HINCRBY', K.meta, 'u_calls', 1)})\n"
 
 # An answer to an approval request: recorded once; the turn becomes runnable when its last
 # request is answered.
 RESPOND = (
     _COMMON
     + _EMIT
+    + _KEEP
     + """
 if not owns(A.owner) then return reply({tag = 'missing'}) end
 local request = redis.call('HGET', K.pending, A.request_id)
@@ -331,6 +159,7 @@ if redis.call('HGET', K.meta, 'cancel') == turn_id then
   return reply({tag = 'answered', answer = '{"decision":"withdrawn"}'})
 end
 redis.call('HSET', K.decisions, A.request_id, A.answer)
+expire_with_meta(K.decisions)
 local resolved = body(turn_id, A.now, A.data)
 local id = emit(A.retention, 'input.resolved', resolved)
 local left = -1
@@ -352,9 +181,13 @@ return reply({tag = 'ok', id = id, seq = first_seq, body = resolved, left = left
 # The current turn is the inbox head; a compact or clear there is not cancelled.
 CANCEL = (
     _COMMON
+    + _KEEP
     + """
 if not owns(A.owner) then return reply({tag = 'missing'}) end
-if A.once ~= '' and redis.call('HSETNX', K.mids, A.once, 'cancel') == 0 then return reply({tag = 'idle'}) end
+if A.once ~= '' then
+  if redis.call('HSETNX', K.mids, A.once, 'cancel') == 0 then return reply({tag = 'idle'}) end
+  expire_with_meta(K.mids)
+end
 local head = redis.call('LINDEX', K.inbox, 0)
 if not head then return reply({tag = 'idle'}) end
 local m = cjson.decode(head)
@@ -384,5 +217,24 @@ if redis.call('GET', K.lease) ~= A.fence then return reply({held = false}) end
 redis.call('DEL', K.lease)
 redis.call('HSET', K.meta, 'held', 0)
 return reply({held = true})
+"""
+)
+
+# Removes every key of the session at once: its own and the delivery relay's per destination
+# (the caller read `relays` and names their keys; a destination added since makes it read
+# again: 'changed'). Answers the turn in progress, whose runner is then told to stop (its next
+# write finds no meta and is refused).
+DELETE = (
+    _COMMON
+    + """
+if not owns(A.owner) then return reply({tag = 'missing'}) end
+local named = {}
+for _, d in ipairs(A.destinations) do named[d] = true end
+for _, d in ipairs(redis.call('SMEMBERS', K.relays)) do
+  if not named[d] then return reply({tag = 'changed'}) end
+end
+local turn_id = redis.call('HGET', K.meta, 'turn') or ''
+redis.call('UNLINK', unpack(KEYS))
+return reply({tag = 'ok', turn_id = turn_id})
 """
 )

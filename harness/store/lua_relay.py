@@ -6,15 +6,18 @@ answers one MessagePack map), built on `lua`'s shared helpers.
 
 from __future__ import annotations
 
-from harness.store.lua import _COMMON
+from harness.store.lua import _COMMON, _KEEP
 
 # ---- the delivery relay (keys: DeliveryKeys) ------------------------------------------------
 
 # Takes (or keeps) the lease of one session's deliveries to one destination, and answers the
 # delivery state with where the session is: so a relay that takes over starts from the cursor,
-# knows which posts are in doubt, and whether there is anything left to deliver.
+# knows which posts are in doubt, and whether there is anything left to deliver. The session
+# lists the destination among its `relays` (so that DELETE finds these keys), the list expiring
+# with the session.
 RELAY_TAKE = (
     _COMMON
+    + _KEEP
     + """
 if not redis.call('SET', K.lease, A.fence, 'NX', 'PX', A.ttl_ms) then
   if redis.call('GET', K.lease) ~= A.fence then
@@ -22,17 +25,20 @@ if not redis.call('SET', K.lease, A.fence, 'NX', 'PX', A.ttl_ms) then
   end
   redis.call('PEXPIRE', K.lease, A.ttl_ms)
 end
-return reply({tag = 'held', state = pairs_of(redis.call('HGETALL', K.state)),
-  metadata = redis.call('HGET', K.meta, 'metadata') or ''})
+local metadata = redis.call('HGET', K.meta, 'metadata') or ''
+if metadata ~= '' and redis.call('SADD', K.relays, A.destination) == 1 then expire_with_meta(K.relays) end
+return reply({tag = 'held', state = pairs_of(redis.call('HGETALL', K.state)), metadata = metadata})
 """
 )
 
 # Writes delivery state if the caller still holds the lease (a relay that lost it changes
 # nothing), and renews the lease, or with `A.release` gives it up. With `A.check`, also says
 # whether the session is quiet: `A.check` is its newest event, and it waits for an answer (the
-# answer queues a relay job), or is idle with nothing queued.
+# answer queues a relay job), or is idle with nothing queued. The state expires with the session;
+# a session that is no more (deleted, expired) gets no state written.
 RELAY_MARK = (
     _COMMON
+    + _KEEP
     + """
 if redis.call('GET', K.lease) ~= A.token then return reply({tag = 'lost'}) end
 local quiet = false
@@ -52,12 +58,15 @@ if A.check then
   quiet = settled and (lms < cms or (lms == cms and lseq <= cseq))
   if not quiet and A.release then return reply({tag = 'held', quiet = false}) end
 end
-if #A.set > 0 then
-  local flat = {}
-  for _, kv in ipairs(A.set) do flat[#flat + 1] = kv[1]; flat[#flat + 1] = kv[2] end
-  redis.call('HSET', K.state, unpack(flat))
+if (#A.set > 0 or #A.unset > 0) and redis.call('EXISTS', K.meta) == 1 then
+  if #A.set > 0 then
+    local flat = {}
+    for _, kv in ipairs(A.set) do flat[#flat + 1] = kv[1]; flat[#flat + 1] = kv[2] end
+    redis.call('HSET', K.state, unpack(flat))
+  end
+  if #A.unset > 0 then redis.call('HDEL', K.state, unpack(A.unset)) end
+  expire_with_meta(K.state)
 end
-if #A.unset > 0 then redis.call('HDEL', K.state, unpack(A.unset)) end
 if A.release then redis.call('DEL', K.lease) else redis.call('PEXPIRE', K.lease, A.ttl_ms) end
 return reply({tag = 'held', quiet = quiet})
 """

@@ -1,7 +1,9 @@
 """Reading a session's committed events: a replay of its outbox stream after a position, then
 what follows, live. The events this process committed come from the hub (the same bytes a read
 gives) when they continue exactly where the reader is; anything else is read from the stream,
-which is always the truth."""
+which is always the truth. A reader of a session that ends is told (`session.deleted`, the last
+thing it gets): at once when the session is deleted, or at its next periodic look when it finds
+the session gone (the notice lost, or the session expired)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import asyncio
 from collections import deque
 from collections.abc import AsyncIterator
 
-from harness.events import LiveEvent, StoredEvent, completed_item
+from harness.events import LiveEvent, StoredEvent, completed_item, session_deleted
 from harness.store.hub import EventHub, Watch
 from harness.store.sessions import Store
 
@@ -38,7 +40,8 @@ class Outbox:
         """Events after `after`, then live ones, forever, with the session's live events
         (`message.delta`) as they come, except those of an item whose message.completed this
         reader has had (none without `deltas`). Yields None after `heartbeat` seconds without an
-        event (for keep-alives). The caller checks ownership first. `gate` bounds how many readers do their
+        event (for keep-alives). Ends with a `session.deleted` live event when the session ends.
+        The caller checks ownership first. `gate` bounds how many readers do their
         first (replay) read at once."""
         completed: deque[str] = deque(maxlen=COMPLETED_KEPT)
         async with self.hub.watch(sid, after, live=deltas) as watch:
@@ -53,7 +56,11 @@ class Outbox:
                 after = first[-1].id if first else after
                 read = len(first) == BATCH
             replayed = gate is not None and not read
+            look = False  # this read is a periodic look (no wake-up for a while)
             while True:
+                if watch.ended is not None:
+                    yield session_deleted(sid, watch.ended)
+                    return
                 if replayed:  # live events that came before a commit go out before it
                     for live in watch.take_live():
                         if live.item_id not in completed:
@@ -67,6 +74,9 @@ class Outbox:
                         after = batch[-1].id
                     if more:
                         continue
+                    if look and not batch and not await self.store.exists(sid):
+                        yield session_deleted(sid, "gone")
+                        return
                 replayed = True
                 for live in watch.take_live():
                     if live.item_id not in completed:
@@ -75,7 +85,8 @@ class Outbox:
                 if not woken:
                     yield None
                 # a commit (here or elsewhere), or a periodic look in case a wake-up was lost
-                read = not woken or watch.take_news()
+                look = not woken
+                read = look or watch.take_news()
 
 
 def _note_completed(completed: deque[str], event: StoredEvent) -> None:

@@ -7,6 +7,8 @@ where a script has several outcomes). Nothing outside this module indexes a repl
 an argument list, and no JSON is cut or spliced: stored JSON (history items, inbox entries,
 event bodies) travels as strings and is written byte for byte. Redis's Lua MessagePack has no
 `bin` type, so those strings are text (UTF-8 JSON, as msgspec writes it).
+
+The delivery relay's scripts and the rate limiter's are in `protocol_relay`.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any, Generic, Literal, TypeVar
 
 import msgspec
 
-from harness.store import lua, lua_relay
+from harness.store import lua, lua_turn
 from harness.store.keys import DeliveryKeys, QuotaKeys, RelayKeys, SessionKeys
 
 R_co = TypeVar("R_co", covariant=True)
@@ -76,6 +78,7 @@ class CreateArgs(msgspec.Struct, frozen=True):
     metadata: str  # JSON
     retention: int
     body: str  # the session.created event body
+    ttl_ms: int = 0  # every key of the session expires this long after its last activity (0: never)
 
 
 class Exists(Reply, tag="exists"):
@@ -92,6 +95,7 @@ class BeginArgs(msgspec.Struct, frozen=True):
     retention: int
     have_start: int  # the caller's cached history: where it starts (-1: none) ...
     have_len: int  # ... and how many items it holds
+    have_epoch: str = ""  # ... of which incarnation of the session (its meta's created_at)
 
 
 class Began(Reply, tag="ok"):
@@ -110,6 +114,7 @@ class Began(Reply, tag="ok"):
     last_in: int = 0
     last_est: int = 0
     took_over: bool = False  # the turn was in progress under a lease that lapsed
+    epoch: str = ""  # the session's created_at (what a cached copy of its history is of)
 
 
 class LeaseTaken(Reply, tag="busy"):
@@ -142,6 +147,7 @@ class SubmitArgs(msgspec.Struct, frozen=True):
     begin: BeginArgs | None = None  # begin the turn if the message is alone and the lease free
     create: CreateArgs | None = None  # create the session first if it does not exist
     max_queued: int = 0  # refuse ('full') when this many already wait behind the current turn
+    ttl_ms: int = 0  # every key of the session expires this long from now (0: never)
 
 
 class New(Reply, tag="new"):
@@ -212,6 +218,7 @@ class CommitArgs(msgspec.Struct, frozen=True):
     usage: UsageArgs | None = None  # a model call's tokens, recorded first, fenced or not
     guard: bool = False  # with a cancel pending, write nothing but the usage
     announce: list[EventArg] = []  # events written only if no cancel is pending
+    ttl_ms: int = 0  # with 'final' or 'pause': every key of the session expires this long from now (0: never)
 
 
 class CommitOutcome(Reply):
@@ -243,7 +250,8 @@ class Dropped(CommitOutcome, tag="dropped"):
 
 
 class Stale(Reply, tag="stale"):
-    """The fence or the turn no longer match: nothing but the usage was written."""
+    """The fence or the turn no longer match: nothing but the usage was written (nothing at all
+    when the session is no more)."""
 
 
 CommitReply = Stepped | More | Finished | Paused | Dropped | Stale
@@ -312,80 +320,41 @@ class Count(msgspec.Struct, frozen=True):
     n: int
 
 
-# ---- RELAY_TAKE (LeaseArgs: the relay's token as `fence`), RELAY_MARK -----------------------
+# ---- DELETE ------------------------------------------------------------------------------
 
 
-class RelayHeld(Reply, tag="held"):
-    state: list[tuple[str, str]] = []  # the delivery state hash (RELAY_TAKE)
-    metadata: str = ""  # the session's metadata (JSON; "" when there is no session)
-    quiet: bool = False  # RELAY_MARK with `check`: nothing left to deliver
+class DeleteArgs(msgspec.Struct, frozen=True):
+    owner: str
+    destinations: list[str]  # the session's `relays`, as the caller read them (their keys follow its own)
 
 
-class RelayBusy(Reply, tag="busy"):
-    retry_ms: int
+class Deleted(Reply, tag="ok"):
+    turn_id: str  # the turn that was in progress ("" if none)
 
 
-class RelayLost(Reply, tag="lost"):
-    pass
-
-
-class RelayMarkArgs(msgspec.Struct, frozen=True):
-    token: str
-    ttl_ms: int
-    set: list[tuple[str, str]] = []
-    unset: list[str] = []
-    check: str | None = None  # the newest event the relay has seen: is the session quiet?
-    release: bool = False  # give the lease up (only if quiet, with `check`)
-
-
-class PromoteArgs(msgspec.Struct, frozen=True):
-    now: int  # ms
-    limit: int = 100
+class Changed(Reply, tag="changed"):
+    """A relay began on another destination since `relays` was read: nothing was deleted."""
 
 
 _SESSION = ("meta", "inbox", "lease", "history", "sticky", "outbox", "decisions")
-
-
-class TakeTokenArgs(msgspec.Struct, frozen=True):
-    capacity: int
-    period_ms: int
-
-
-class NoToken(Reply, tag="limited"):
-    """No token: one will be there in `retry_ms`."""
-
-    retry_ms: int
-
-
-_COMMIT = ("meta", "lease", "history", "outbox", "inbox", "pending", "decisions")
+# Every key of a session (`keep` in a script that names them all gives them one expiry).
+_ALL = (*_SESSION, "pending", "mids", "relays")
 CREATE: Script[Added | Exists] = Script(lua.CREATE, ("meta", "outbox"), Added | Exists)
 ENQUEUE: Script[Done | Full | Missing] = Script(lua.ENQUEUE, ("meta", "inbox"), Done | Full | Missing)
-BEGIN: Script[BeginReply] = Script(lua.BEGIN, _SESSION, BeginReply)
-SUBMIT: Script[New | Duplicate | Full | Missing] = Script(
-    lua.SUBMIT, (*_SESSION, "mids"), New | Duplicate | Full | Missing
-)
-COMMIT: Script[CommitReply] = Script(lua.COMMIT, _COMMIT, CommitReply)
-USAGE: Script[Added] = Script(lua.USAGE, ("meta", "outbox"), Added)
-ATTEMPT: Script[Count] = Script(lua.ATTEMPT, ("meta",), Count)
+BEGIN: Script[BeginReply] = Script(lua_turn.BEGIN, _SESSION, BeginReply)
+SUBMIT: Script[New | Duplicate | Full | Missing] = Script(lua_turn.SUBMIT, _ALL, New | Duplicate | Full | Missing)
+COMMIT: Script[CommitReply] = Script(lua_turn.COMMIT, _ALL, CommitReply)
+USAGE: Script[Added | Stale] = Script(lua_turn.USAGE, ("meta", "outbox"), Added | Stale)
+ATTEMPT: Script[Count] = Script(lua_turn.ATTEMPT, ("meta",), Count)
 RESPOND: Script[Recorded | Answered | Unknown | Missing] = Script(
     lua.RESPOND, ("meta", "pending", "decisions", "outbox"), Recorded | Answered | Unknown | Missing
 )
 CANCEL: Script[Cancelling | Idle | Missing] = Script(lua.CANCEL, ("meta", "inbox", "mids"), Cancelling | Idle | Missing)
 RENEW: Script[Held] = Script(lua.RENEW, ("lease",), Held)
 RELEASE: Script[Held] = Script(lua.RELEASE, ("lease", "meta"), Held)
-RELAY_TAKE: Script[RelayHeld | RelayBusy] = Script(
-    lua_relay.RELAY_TAKE, ("lease", "state", "meta"), RelayHeld | RelayBusy
-)
-RELAY_MARK: Script[RelayHeld | RelayLost] = Script(
-    lua_relay.RELAY_MARK, ("lease", "state", "meta", "outbox", "inbox"), RelayHeld | RelayLost
-)
-RELAY_PROMOTE: Script[Count] = Script(lua_relay.RELAY_PROMOTE, ("later", "jobs"), Count)
-TAKE_TOKEN: Script[Done | NoToken] = Script(lua_relay.TAKE_TOKEN, ("bucket",), Done | NoToken)
+# (the keys of each destination's delivery state and lease follow the session's own)
+DELETE: Script[Deleted | Changed | Missing] = Script(lua.DELETE, _ALL, Deleted | Changed | Missing)
 SCRIPTS: tuple[Script[object], ...] = (
-    TAKE_TOKEN,
-    RELAY_PROMOTE,
-    RELAY_TAKE,
-    RELAY_MARK,
     CREATE,
     ENQUEUE,
     BEGIN,
@@ -397,4 +366,5 @@ SCRIPTS: tuple[Script[object], ...] = (
     CANCEL,
     RENEW,
     RELEASE,
+    DELETE,
 )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from harness.store import protocol as p
+from harness.store import protocol_relay as p
 from harness.store.client import translated
 from harness.store.clusterwire import AnyWire
 from harness.store.keys import QuotaKeys

@@ -1,7 +1,11 @@
 """The session store: every change to a session is one script of `protocol`, guarded where it
 matters by the session lease's fencing token; reads are plain commands. The turn's scripts
 (SUBMIT with its job, BEGIN, COMMIT) and the rest go by the `Wire`. The turn's own operations
-(BEGIN, COMMIT, the attempts' accounting) are in `turns`."""
+(BEGIN, COMMIT, the attempts' accounting) are in `turns`.
+
+A session ends when it is deleted (`delete`: every key at once) or, with `ttl_ms`, when it was
+left alone that long (every key but the lease expires at the same moment, kept by the scripts
+that create it, take a message, and end or pause a turn: at most an hour early, `lua.keep`)."""
 
 from __future__ import annotations
 
@@ -13,14 +17,15 @@ from typing import Any, TypeVar
 import msgspec
 from redis.asyncio.cluster import RedisCluster
 
-from harness.errors import Conflict, Limited, NotFound
+from harness.errors import Conflict, Limited, NotFound, Unavailable
 from harness.events import StoredEvent, envelope, event_body, made
 from harness.store import protocol as p
+from harness.store import protocol_relay
 from harness.store.cache import HistoryCache
 from harness.store.client import Client, translated
 from harness.store.clusterwire import wire_for
 from harness.store.deliveries import relay_job
-from harness.store.keys import TOKEN_SECRET, SessionKeys
+from harness.store.keys import TOKEN_SECRET, DeliveryKeys, SessionKeys
 from harness.store.queue import JobShards
 from harness.store.turns import Turns
 from harness.store.types import Begun, Responded, Submitted
@@ -39,6 +44,7 @@ R = TypeVar("R")
 CommitMode = p.CommitMode
 _enc = msgspec.json.Encoder()
 KNOWN_MAX = 100_000
+DELETE_TRIES = 5  # a delete that finds a relay begun on another destination reads `relays` again
 
 
 def _missing(sid: str) -> NotFound:
@@ -56,12 +62,14 @@ class Store(Turns):
         job_shards: int = 0,
         replicas: int = 0,
         replica_wait_ms: int = 1000,
+        ttl_ms: int = 0,
     ) -> None:
         self.redis = redis
         # every script goes this way; with `replicas`, each waits for that many (KEEL_DURABILITY)
         self.wire = wire_for(redis, Replicas(replicas, replica_wait_ms) if replicas else None)
         self.jobs = JobShards(redis, job_shards)
         self.retention = retention
+        self.ttl_ms = ttl_ms  # a session left alone this long expires, all of it (0: never)
         self.max_queued = max_queued  # messages that may wait behind a session's current turn (0: any)
         self._known: dict[str, str] = {}  # session id -> owner, seen to exist
         self._cache = HistoryCache(cache_sessions)
@@ -83,7 +91,7 @@ class Store(Turns):
                 await self.redis.script_load(script.source)
             return
         async with self.redis.pipeline(transaction=False) as pipe:
-            for script in p.SCRIPTS:
+            for script in (*p.SCRIPTS, *protocol_relay.SCRIPTS):
                 pipe.script_load(script.source)
             await pipe.execute()
 
@@ -98,7 +106,8 @@ class Store(Turns):
         self, sid: str, owner: str, metadata: dict[str, Any], *, deliver_to: Sequence[str] = ()
     ) -> StoredEvent:
         body = event_body(None, {"metadata": metadata})
-        args = p.CreateArgs(owner, repr(time.time()), _enc.encode(metadata).decode(), self.retention, body.decode())
+        metadata_json = _enc.encode(metadata).decode()
+        args = p.CreateArgs(owner, repr(time.time()), metadata_json, self.retention, body.decode(), self.ttl_ms)
         if deliver_to:
             keys = p.CREATE.keys(SessionKeys(sid))
             also = [relay_job(sid, d) for d in deliver_to]
@@ -110,6 +119,32 @@ class Store(Turns):
             raise Conflict(f"session {sid} exists", code="session_exists")
         self._remember(sid, owner)
         return made(sid, res.id, res.seq, "session.created", body)
+
+    @translated
+    async def delete(self, sid: str, owner: str) -> str:
+        """Remove every key of the session, the delivery relay's too, in one script. Returns
+        the turn that was in progress ("" if none): its runner's next write is refused."""
+        k = SessionKeys(sid)
+        for _ in range(DELETE_TRIES):
+            relays: Any = await self.redis.smembers(k.relays)
+            destinations = sorted(d.decode() for d in relays)
+            keys = p.DELETE.keys(k)
+            for d in destinations:
+                keys += [DeliveryKeys(sid, d).state, DeliveryKeys(sid, d).lease]
+            args = p.DELETE.args(p.DeleteArgs(owner, destinations))
+            res = p.DELETE.reply(await self.wire.script(p.DELETE.sha, p.DELETE.source, keys, args))
+            if isinstance(res, p.Missing):
+                raise _missing(sid)
+            if isinstance(res, p.Deleted):
+                self._known.pop(sid, None)
+                self._cache.drop(sid)
+                return res.turn_id
+        raise Unavailable(f"session {sid}: its deliveries kept changing; delete it again")
+
+    @translated
+    async def exists(self, sid: str) -> bool:
+        """Whether the session is there (a reader's look: no owner check)."""
+        return bool(await self.redis.exists(SessionKeys(sid).meta))
 
     @translated
     async def meta(self, sid: str, owner: str) -> dict[str, str]:
@@ -145,14 +180,16 @@ class Store(Turns):
         submit) it is one round trip whatever this process knows of the session."""
         body = event_body(message.turn_id, {"message_id": message.message_id, "text": message.text})
         begin = None
-        have_start, have = self._cached(sid)
+        have_start, have, epoch = self._cached(sid)
         if begin_lease_ms is not None:
-            begin = p.BeginArgs("", begin_lease_ms, repr(time.time()), self.retention, have_start, len(have))
+            begin = p.BeginArgs("", begin_lease_ms, repr(time.time()), self.retention, have_start, len(have), epoch)
         new_session = None
         created_body = event_body(None, {"metadata": create}) if create is not None else b""
         if create is not None:
             metadata = _enc.encode(create).decode()
-            new_session = p.CreateArgs(owner, repr(time.time()), metadata, self.retention, created_body.decode())
+            new_session = p.CreateArgs(
+                owner, repr(time.time()), metadata, self.retention, created_body.decode(), self.ttl_ms
+            )
         entry = _enc.encode(message).decode()
         args = p.SubmitArgs(
             owner,
@@ -164,6 +201,7 @@ class Store(Turns):
             begin,
             new_session,
             self.max_queued,
+            self.ttl_ms,
         )
         also = [relay_job(sid, d) for d in deliver_to]
         look = look_first and create is None
@@ -225,7 +263,8 @@ class Store(Turns):
             script.sha, script.source, keys, script.args(args), [self.jobs.job(sid), *also]
         )
         res = script.reply(raw)
-        if isinstance(res, p.Missing):  # sessions are never deleted: only an owner mismatch gets here
+        if isinstance(res, p.Missing):  # another owner's, or one deleted (or expired) since it was seen
+            self._known.pop(sid, None)
             raise _missing(sid)
         self._remember(sid, owner)
         return res, job_id.decode()
@@ -243,7 +282,8 @@ class Store(Turns):
                 raise reply
 
     def _remember(self, sid: str, owner: str) -> None:
-        """Sessions are never deleted, so one seen to exist stays known (a bounded memo)."""
+        """A session seen to exist stays known (a bounded memo: it only spares a look; the
+        scripts check the owner, so one deleted since is still refused)."""
         if len(self._known) >= KNOWN_MAX:
             self._known.clear()
         self._known[sid] = owner

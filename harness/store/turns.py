@@ -27,6 +27,7 @@ class Turns:
     """BEGIN, COMMIT and the attempts' accounting, for `Store` (which has what they use)."""
 
     retention: int
+    ttl_ms: int
     _cache: HistoryCache
 
     if TYPE_CHECKING:
@@ -38,13 +39,14 @@ class Turns:
     @translated
     async def begin(self, sid: str, fence: str, lease_ms: int) -> Begun | Busy | None:
         """Take the session for its next turn. None: nothing to do (or no session)."""
-        have_start, have = self._cached(sid)
-        args = p.BeginArgs(fence, lease_ms, repr(time.time()), self.retention, have_start, len(have))
+        have_start, have, epoch = self._cached(sid)
+        args = p.BeginArgs(fence, lease_ms, repr(time.time()), self.retention, have_start, len(have), epoch)
         return self._begun(sid, await self._run(p.BEGIN, sid, args), have)
 
-    def _cached(self, sid: str) -> tuple[int, list[Item]]:
+    def _cached(self, sid: str) -> tuple[int, list[Item], str]:
+        """(start, items, epoch) of this process's copy of the session's history."""
         cached = self._cache.get(sid)
-        return (cached[0], cached[1]) if cached is not None else (-1, [])
+        return cached if cached is not None else (-1, [], "")
 
     def _begun(self, sid: str, res: p.BeginReply, have: list[Item]) -> Begun | Busy | None:
         """BEGIN's reply (or the one SUBMIT gives when it began the turn), decoded."""
@@ -55,7 +57,7 @@ class Turns:
         message = inbox_decoder.decode(res.head)
         items = have if res.reused == len(have) else have[: res.reused]
         items.extend(item_decoder.decode(raw) for raw in res.items)
-        self._cache.put(sid, res.start, items)
+        self._cache.put(sid, res.start, items, res.epoch)
         started = None
         if res.started_id:
             etype = "compaction.requested" if message.kind == "compact" else "turn.started"
@@ -130,10 +132,11 @@ class Turns:
             usage=usage_args,
             guard=guard,
             announce=[p.EventArg(etype, body.decode()) for etype, body in announce],
+            ttl_ms=self.ttl_ms,
         )
         res = await self._run(p.COMMIT, sid, args)
         if isinstance(res, p.Stale):
-            raise StaleLease(f"session {sid}: lease {fence} is no longer held")
+            raise StaleLease(f"session {sid}: lease {fence} is no longer held (or the session is no more)")
         if isinstance(res, p.Dropped):
             return Committed(events=written(sid, res.ids, res.first_seq, recorded), cancel=True, dropped=True)
         if announce and not res.cancel:
@@ -141,7 +144,8 @@ class Turns:
         if rebase is None:
             self._cache.extend(sid, list(items), res.length)
         else:
-            self._cache.put(sid, res.length - len(items), list(items))
+            _, _, epoch = self._cached(sid)
+            self._cache.put(sid, res.length - len(items), list(items), epoch)
         emitted = recorded + [resolved[n] for n in res.resolved] + list(events)
         return Committed(
             events=written(sid, res.ids, res.first_seq, emitted),
@@ -167,6 +171,8 @@ class Turns:
         calls only) for compaction's threshold. Returns the usage.recorded event."""
         body, args = self._usage_args(turn_id, step, usage, failed=failed, purpose=purpose, estimate=estimate)
         res = await self._run(p.USAGE, sid, p.RecordUsageArgs(self.retention, args))
+        if isinstance(res, p.Stale):
+            raise StaleLease(f"session {sid} is no more (deleted or expired)")
         return made(sid, res.id, res.seq, "usage.recorded", body)
 
     @staticmethod
@@ -200,4 +206,5 @@ class Turns:
     @translated
     async def count_attempt(self, sid: str) -> None:
         """Count a model call about to be made, when no commit or BEGIN just did."""
-        await self._run(p.ATTEMPT, sid, p.NoArgs())
+        if (await self._run(p.ATTEMPT, sid, p.NoArgs())).n < 0:
+            raise StaleLease(f"session {sid} is no more (deleted or expired)")

@@ -79,7 +79,7 @@ def test_every_wire_type_is_a_named_schema_equal_to_its_own() -> None:
     client_frames = {s["$ref"].rsplit("/", 1)[1] for s in schemas["WsClientFrame"]["anyOf"]}
     assert client_frames == {t.__name__ for t in typing.get_args(types.WsFrame)}
     server_frames = {s["$ref"].rsplit("/", 1)[1] for s in schemas["WsServerFrame"]["anyOf"]}
-    assert server_frames == {"Event", "MessageDelta", "WsError", "WsHeartbeat", "WsPong"}
+    assert server_frames == {"Event", "MessageDelta", "SessionDeleted", "WsError", "WsHeartbeat", "WsPong"}
 
 
 def test_every_operation_documents_its_errors_as_the_envelope() -> None:

