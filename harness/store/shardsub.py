@@ -29,6 +29,8 @@ log = logging.getLogger("keel.live")
 RETRY_S = 1.0  # a node's listener that failed waits this long before it subscribes again
 CONFIRM_S = 1.0  # `subscribe` waits at most this long for Redis to confirm
 IDLE_S = 1.0  # a listener looks for channels to leave at least this often
+LINGER_S = 10.0  # a channel no reader wants is left this long after (a session's next turn soon
+# needs it again: no SSUBSCRIBE and no wait for its confirmation on every `?wait=true`)
 
 
 class _Node:
@@ -62,7 +64,7 @@ class ShardSubscriber:
         self._where: dict[str, str] = {}  # channel -> the node it is subscribed on
         self._confirmed: set[str] = set()
         self._waiting: dict[str, asyncio.Future[None]] = {}
-        self._dropped: set[str] = set()
+        self._dropped: dict[str, float] = {}  # channel -> when its last reader went
         self._tasks: set[asyncio.Task[None]] = set()
         self._stopped = False
 
@@ -86,7 +88,7 @@ class ShardSubscriber:
         loop = asyncio.get_running_loop()
         waits = []
         for channel in channels:
-            self._dropped.discard(channel)
+            self._dropped.pop(channel, None)
             if channel in self._confirmed:
                 continue
             fut = self._waiting.get(channel)
@@ -97,9 +99,9 @@ class ShardSubscriber:
         return waits
 
     def drop(self, channel: str) -> None:
-        """Leave `channel` soon (its node's listener does, if it is still not `wanted` then):
-        no Redis call here, in a reader's clean-up that may be cancelled."""
-        self._dropped.add(channel)
+        """Leave `channel` after LINGER_S (its node's listener does, if it is still not `wanted`
+        then): no Redis call here, in a reader's clean-up that may be cancelled."""
+        self._dropped[channel] = asyncio.get_running_loop().time()
 
     async def _send(self, channel: str) -> None:
         """SSUBSCRIBE on the channel's owner; tried again every RETRY_S while it fails and the
@@ -148,7 +150,7 @@ class ShardSubscriber:
         while True:
             try:
                 await self._leave(node)
-                if not node.pubsub.subscribed:  # (nothing to read until a subscription is sent)
+                if (not node.channels and not node.leaving) or node.pubsub.connection is None:  # (nothing to read yet)
                     node.sent.clear()
                     await node.sent.wait()
                     continue
@@ -189,10 +191,15 @@ class ShardSubscriber:
             self._spawn(self._send(channel))
 
     async def _leave(self, node: _Node) -> None:
-        gone = [c for c in node.channels & self._dropped if not self._wanted(c)]
+        if not self._dropped:
+            return
+        now = asyncio.get_running_loop().time()
+        old = [c for c in node.channels if now - self._dropped.get(c, now) >= LINGER_S]
+        for channel in old:
+            self._dropped.pop(channel, None)
+        gone = [c for c in old if not self._wanted(c)]
         if not gone:
             return
-        self._dropped.difference_update(gone)
         node.channels.difference_update(gone)
         node.leaving.update(gone)
         for channel in gone:
