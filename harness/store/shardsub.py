@@ -109,8 +109,7 @@ class ShardSubscriber:
         while not self._stopped:
             try:
                 node = await self._node_for(channel)
-                node.channels.add(channel)
-                node.leaving.discard(channel)
+                node.channels.add(channel)  # (if being left too, its SUNSUBSCRIBE's reply comes first)
                 self._where[channel] = node.name
                 async with node.lock:
                     await node.pubsub.ssubscribe(channel)
