@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install dev run worker test test-cluster lint typecheck bench smoke slack-demo browser clean
+.PHONY: install dev run worker test test-cluster lint typecheck bench loadtest smoke slack-demo browser clean
 
 install: $(STAMP)
 
@@ -32,6 +32,7 @@ typecheck: install
 	cd deploy && MYPYPATH=bench ../$(BIN)/mypy --strict ws_load.py
 	cd deploy && MYPYPATH=.. ../$(BIN)/mypy --strict slack_demo.py
 	cd deploy && MYPYPATH=.. ../$(BIN)/mypy --strict rolling_restart.py
+	$(BIN)/mypy --strict --explicit-package-bases --follow-imports=silent deploy/loadtest/*.py
 
 # Debian's chromium for tests/browser: installed when missing and this is root with apt;
 # otherwise those tests are skipped, saying why.
@@ -60,6 +61,10 @@ slack-demo: install
 
 bench: install
 	$(BIN)/python deploy/bench/bench_http.py
+
+# 1 vs 2 keel processes on one Valkey and on a cluster, 3 rounds, and the projection (about 11 min).
+loadtest: install
+	$(BIN)/python deploy/loadtest/scaling.py
 
 # One real turn per provider whose key is set (ANTHROPIC_API_KEY, OPENAI_API_KEY); skips the others.
 smoke: install

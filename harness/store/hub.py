@@ -48,6 +48,7 @@ class Watch:
         self._pushed: list[StoredEvent] = []
         self._overflow = False
         self.ended: str | None = None  # why the session ended ("deleted"): its reader stops
+        self._elsewhere = False  # woken for a commit not handed over here: the reader reads the stream
 
     def end(self, reason: str) -> None:
         """The session ended: the reader is woken to stop."""
@@ -58,6 +59,12 @@ class Watch:
         """Something was committed: the reader should read."""
         self._news = True
         self._signal()
+
+    def wake_elsewhere(self) -> None:
+        """A commit was made in another process (or its notice may have been lost): the reader
+        reads the stream, even if events handed over here meanwhile continue where it is."""
+        self._elsewhere = True
+        self.wake()
 
     def push_live(self, event: LiveEvent) -> None:
         if len(self._live) >= LIVE_MAX:
@@ -88,10 +95,11 @@ class Watch:
 
     def take(self) -> list[StoredEvent] | None:
         """The events published since the reader's position, if they continue it with no gap;
-        None when the reader must read the stream (nothing published, a gap, or unknown place)."""
-        pushed, overflow = self._pushed, self._overflow
-        self._pushed, self._overflow = [], False
-        if overflow or self.last_seq is None or not pushed:
+        None when the reader must read the stream (nothing published, a gap, an unknown place,
+        or a commit made elsewhere since it last looked)."""
+        pushed, overflow, elsewhere = self._pushed, self._overflow, self._elsewhere
+        self._pushed, self._overflow, self._elsewhere = [], False, False
+        if overflow or elsewhere or self.last_seq is None or not pushed:
             return None
         fresh = sorted((e for e in pushed if e.seq > self.last_seq), key=lambda e: e.seq)
         if not fresh:
@@ -191,13 +199,13 @@ class EventHub:
             return
         if self._advance(sid, event_id):
             for w in self._watches[sid]:
-                w.wake()
+                w.wake_elsewhere()
 
     def _missed(self, sid: str) -> None:
         """Notices for the session may have been lost (its subscription was made again): its
         readers read the stream."""
         for w in self._watches.get(sid, ()):
-            w.wake()
+            w.wake_elsewhere()
 
     def live(self, sid: str, event: LiveEvent) -> None:
         """A turn this process runs produced a live event: to the session's readers here, and
