@@ -245,15 +245,16 @@ class EventHub:
         self, sid: str, after: str | None, *, settled_only: bool = False, live: bool = True
     ) -> AsyncIterator[Watch]:
         """Wake-ups for events after `after`, the id the caller has read up to (None: not known
-        yet, see `follow`). Returns once the session's channel is subscribed (or after a bound),
-        so a commit made anywhere after the caller's next read wakes it. Commits in this
+        yet, see `follow`). The session's channel is subscribed (if it is not yet) and the watch
+        woken once Redis confirms it, so a commit made elsewhere after the caller's read, before
+        or after the subscription, wakes it. Commits in this
         process wake every watch of the session (a `settled_only` one: only those that settle
         a turn). Without `live` (or with `settled_only`) it takes no live events."""
         w = Watch(after, settled_only=settled_only, live=live)
         self._watches.setdefault(sid, set()).add(w)
         try:
             if self._relay is not None:
-                await self._relay.follow(sid)
+                self._relay.follow(sid)
             yield w
         finally:
             if self._relay is not None:

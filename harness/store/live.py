@@ -137,12 +137,14 @@ class LiveRelay:
 
     # ---- in ----------------------------------------------------------------------------
 
-    async def follow(self, sid: str) -> None:
-        """A reader of `sid` opened here: subscribe to its channel (if it is the first), and
-        return once Redis confirmed it (or after a bound): from then on every commit to the
-        session is heard, so a read of its outbox after this misses nothing."""
+    def follow(self, sid: str) -> None:
+        """A reader of `sid` opened here: subscribe to its channel (if it is the first). The
+        reader does not wait for it: when Redis confirms the subscription, the session's readers
+        are told to read (`missed`), so a commit made between their read and the subscription
+        is not missed. (Waiting instead cost a burst of new readers up to the whole wait when
+        the listener was behind with notices.)"""
         self._readers[sid] = self._readers.get(sid, 0) + 1
-        await self._sub.subscribe([SessionKeys(sid).live])
+        self._sub.add([SessionKeys(sid).live])
 
     def unfollow(self, sid: str) -> None:
         """The reader went: the channel of a session with no reader left here is left soon."""

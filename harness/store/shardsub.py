@@ -2,10 +2,10 @@
 connection and a listener per node. On one server that is one connection; on a Redis Cluster a
 session's channel lives with its keys, so a commit's notice and its readers meet on one node.
 
-A subscription is in place once Redis confirmed it (`subscribe` waits for that). One that was in
-place and is confirmed again (the connection was lost and made again, or its slot moved to
-another node and it followed) may have missed messages meanwhile: `resubscribed` says so, and
-the caller reads what it may have missed. Redis tells subscribers when a channel's slot leaves
+A subscription is in place once Redis confirmed it (`subscribe` waits for that; `add` does not).
+Each confirmation, the first or one after a gap (the connection was lost and made again, or the
+slot moved to another node and it followed), is passed on (`resubscribed`): messages sent before
+it were not heard, and the caller reads what it may have missed. Redis tells subscribers when a channel's slot leaves
 a node (an SUNSUBSCRIBE it did not ask for); a node that cannot be reached makes the slot map be
 read again; either way the channel is subscribed on its owner now.
 """
@@ -81,7 +81,9 @@ class ShardSubscriber:
         While Redis is away, subscribing goes on in the background until it is back."""
         waits = self.add(channels)
         if waits:  # (asyncio.wait: wait_for on 3.11 can swallow a cancellation of the reader)
-            await asyncio.wait(waits, timeout=CONFIRM_S)
+            _, late = await asyncio.wait(waits, timeout=CONFIRM_S)
+            if late:
+                log.warning("live events: %d subscriptions not confirmed within %ss", len(late), CONFIRM_S)
 
     def add(self, channels: list[str]) -> list[asyncio.Future[None]]:
         """Start subscribing (where not subscribed yet); what confirms each."""
@@ -174,9 +176,8 @@ class ShardSubscriber:
             fut = self._waiting.pop(channel, None)
             if fut is not None and not fut.done():
                 fut.set_result(None)
-            if channel in self._confirmed:
-                self._resubscribed(channel)
             self._confirmed.add(channel)
+            self._resubscribed(channel)  # (first or again: what came before it is read)
         elif kind == "sunsubscribe":
             if channel in node.leaving:
                 node.leaving.discard(channel)
