@@ -5,9 +5,9 @@ through the `LiveRelay`, from the one running the turn.
 Commits made in this process are published here with the events they wrote (byte for byte what
 a read of the outbox returns); commits made by other processes are heard as the notice their
 script publishes on the session's channel (sharded pub/sub, see `live`), which every watch
-subscribes to before its reader reads. A reader takes published events only when they continue
-exactly where it is (the next seq, no gap); otherwise it reads the outbox stream, which is
-always the truth. A session that ends (deleted) ends its
+subscribes to; each confirmation of the subscription has its readers read the stream. A reader
+takes published events only when they continue exactly where it is (the next seq, no gap);
+otherwise it reads the outbox stream, which is always the truth. A session that ends (deleted) ends its
 watches here and, through the `LiveRelay`, in the processes that have readers of it (`ended`).
 """
 
