@@ -378,7 +378,7 @@ class Harness(SessionReads, SessionEnds):
     async def wait_turn(self, result: SubmitResult, timeout: float) -> TurnResult:
         """Wait until the message's turn settles; returns its events (from message.received on)."""
         after = just_before(result.received_id)
-        async with self.hub.watch(result.session_id, after, settled_only=True) as watch:
+        async with self.hub.watch(result.session_id, settled_only=True) as watch:
             return await collect_turn(self.outbox, result, watch, after, timeout, read_first=True)
 
     async def submit_and_wait(
@@ -387,10 +387,8 @@ class Harness(SessionReads, SessionEnds):
         """`submit`, then `wait_turn`, with the wake-up armed before the message exists: a new
         message's events are then read once, when its turn has moved on."""
         check_session_id(sid)
-        async with self.hub.watch(sid, None, settled_only=True) as watch:
+        async with self.hub.watch(sid, settled_only=True) as watch:
             result = await self.submit(sid, owner, text, context, message_id)
-            # Wake-ups are for what follows this message (the reader reads the message itself).
-            self.hub.follow(sid, watch, result.received_id)
             if not result.duplicate:  # its events, from message.received on, may come published
                 watch.last_seq = result.received_seq - 1
             after = just_before(result.received_id)

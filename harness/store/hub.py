@@ -36,13 +36,12 @@ LIVE_MAX = 1024  # live events a watch holds for a reader that does not take the
 
 
 class Watch:
-    def __init__(self, after: str | None, *, settled_only: bool = False, live: bool = True) -> None:
+    def __init__(self, *, settled_only: bool = False, live: bool = True) -> None:
         self._woken = False  # woken since its reader last waited
         self._news = False  # ... by a commit (not only by live events): the reader reads
         self._live: list[LiveEvent] = []
         self._waiter: asyncio.Future[bool] | None = None
-        self.seen = after  # the newest event id its reader has read (None: not known yet)
-        self.last_seq: int | None = None  # ... and its seq (None: not known: read the stream)
+        self.last_seq: int | None = None  # the seq its reader has read up to (None: read the stream)
         self.settled_only = settled_only  # local wake-ups only for commits that settle a turn
         self.live = live and not settled_only  # takes live events (message.delta)
         self._pushed: list[StoredEvent] = []
@@ -112,7 +111,7 @@ class Watch:
     def advance(self, batch: list[StoredEvent]) -> None:
         """The reader has read up to the end of `batch`."""
         if batch:
-            self.seen, self.last_seq = batch[-1].id, batch[-1].seq
+            self.last_seq = batch[-1].seq
 
     async def wait(self, timeout: float) -> bool:
         """True if woken, False on timeout. A future and a timer: no asyncio.timeout (and no
@@ -241,16 +240,13 @@ class EventHub:
                 w.push_live(event)
 
     @contextlib.asynccontextmanager
-    async def watch(
-        self, sid: str, after: str | None, *, settled_only: bool = False, live: bool = True
-    ) -> AsyncIterator[Watch]:
-        """Wake-ups for events after `after`, the id the caller has read up to (None: not known
-        yet, see `follow`). The session's channel is subscribed (if it is not yet) and the watch
-        woken once Redis confirms it, so a commit made elsewhere after the caller's read, before
-        or after the subscription, wakes it. Commits in this
-        process wake every watch of the session (a `settled_only` one: only those that settle
-        a turn). Without `live` (or with `settled_only`) it takes no live events."""
-        w = Watch(after, settled_only=settled_only, live=live)
+    async def watch(self, sid: str, *, settled_only: bool = False, live: bool = True) -> AsyncIterator[Watch]:
+        """Wake-ups for the session's new events. Its channel is subscribed (if it is not yet)
+        and the watch woken once Redis confirms it, so a commit made elsewhere after the
+        caller's read, before or after the subscription, wakes it. Commits in this process wake
+        every watch of the session (a `settled_only` one: only those that settle a turn).
+        Without `live` (or with `settled_only`) it takes no live events."""
+        w = Watch(settled_only=settled_only, live=live)
         self._watches.setdefault(sid, set()).add(w)
         try:
             if self._relay is not None:
@@ -266,10 +262,6 @@ class EventHub:
                     del self._watches[sid]
                     self._last.pop(sid, None)
                     self._passed.discard(sid)
-
-    def follow(self, sid: str, w: Watch, after: str) -> None:
-        """The watch's reader has read up to `after`."""
-        w.seen = after
 
     def start(self) -> None:
         if self._relay is not None:

@@ -44,7 +44,7 @@ class Outbox:
         The caller checks ownership first. `gate` bounds how many readers do their
         first (replay) read at once."""
         completed: deque[str] = deque(maxlen=COMPLETED_KEPT)
-        async with self.hub.watch(sid, after, live=deltas) as watch:
+        async with self.hub.watch(sid, live=deltas) as watch:
             read = True
             if gate is not None:
                 async with gate:
