@@ -23,7 +23,26 @@ from harness.store.keys import JOBS, JOBS_GROUP
 ROOT = Path(__file__).resolve().parents[1]
 
 
-class Service:
+class _Process:
+    """A keel process a test started: waited for, or stopped with SIGTERM (SIGKILL after 15 s)."""
+
+    proc: subprocess.Popen[bytes] | None = None
+
+    def wait_exit(self, timeout: float = 20.0) -> int:
+        assert self.proc is not None
+        return self.proc.wait(timeout=timeout)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+class Service(_Process):
     def __init__(self, workdir: Path, port: int, **env: str) -> None:
         self.port = port
         self.workdir = workdir
@@ -54,26 +73,13 @@ class Service:
             time.sleep(0.05)
         raise AssertionError("keel did not become ready")
 
-    def wait_exit(self, timeout: float = 20.0) -> int:
-        assert self.proc is not None
-        return self.proc.wait(timeout=timeout)
-
     def kill9(self) -> None:
         assert self.proc is not None
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(timeout=10)
 
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
-
-class Worker:
+class Worker(_Process):
     """`python -m app.worker` in a subprocess: ready once it reads the turn job stream (its
     consumer, named for its host and pid, is in the group)."""
 
@@ -100,19 +106,6 @@ class Worker:
                         return
                 time.sleep(0.05)
         raise AssertionError("the worker did not start reading jobs")
-
-    def wait_exit(self, timeout: float = 20.0) -> int:
-        assert self.proc is not None
-        return self.proc.wait(timeout=timeout)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
 
 class EventTail:
