@@ -1,6 +1,6 @@
 """Logging for a keel process: text lines (`KEEL_LOG_FORMAT=text`, the default) or one JSON
 object per line (`json`): `time`, `level`, `logger`, `message`, and `session_id`, `turn_id`,
-`request_id` when the line is about one (`harness.logcontext`), `exc` for a traceback.
+`request_id` when the line is about one (`harness.telemetry.logcontext`), `exc` for a traceback.
 
 Every line, uvicorn's access and error lines included (uvicorn gets no logging config of its
 own: its loggers reach the root handler installed here), goes through `Redactor` last: the
@@ -21,7 +21,7 @@ from collections.abc import Iterable
 import msgspec
 
 from app.settings import Settings
-from harness.logcontext import request_id, session_id, turn_id
+from harness.telemetry.logcontext import request_id, session_id, turn_id
 
 REDACTED = "[redacted]"
 # (a marker to look for first, the pattern that finds the secret)

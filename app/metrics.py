@@ -1,6 +1,6 @@
 """`GET /metrics`: this process's numbers in Prometheus' text format (`prometheus-client`).
 
-The harness counts in plain objects (`harness.metrics.HarnessStats`, the relay's
+The harness counts in plain objects (`harness.telemetry.metrics.HarnessStats`, the relay's
 `RelayStats`), the channels in theirs (`WsStats`, `SseStats`); `KeelCollector` turns them into
 metric families only when a scrape asks, so a turn never touches prometheus_client. The job
 queue's depth and oldest job's age are read from Redis (through `Harness.queue_depth`) by the
@@ -34,8 +34,8 @@ from channels.sse import SseStats
 from channels.websocket import WsStats
 from harness import Harness
 from harness.errors import Unavailable
-from harness.metrics import Histogram
 from harness.store import Depth, redis_errors
+from harness.telemetry.metrics import Histogram
 
 log = logging.getLogger("keel.metrics")
 PATH = "/metrics"

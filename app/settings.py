@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness.models.spec import check as check_model
-from harness.quotas import RateLimit
+from harness.service.quotas import RateLimit
 
 DEMO_AGENT = "app.demo:agent"
 

@@ -21,7 +21,7 @@ from channels.answers import ErrorEnvelope, MessageDelta, SessionDeleted, WsErro
 from channels.auth import protected
 from channels.drain import OPEN_PATHS
 from channels.spec import Answer, Operation, operation, operation_of
-from harness.reads import SESSION_ID
+from harness.service.sessions import SESSION_ID
 from harness.types import Event
 
 REF = "#/components/schemas/{name}"

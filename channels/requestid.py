@@ -4,7 +4,7 @@ Every HTTP request and websocket gets an id: the caller's `X-Request-ID` when it
 (1-128 of `A-Z a-z 0-9 . _ : -`, so nothing odd reaches a log line), else a new `req_...` (a
 random prefix per process and a counter). It is
 echoed in the response's `X-Request-ID` header and set, with the session id the path names, in
-the context variables log lines carry (`harness.logcontext`)."""
+the context variables log lines carry (`harness.telemetry.logcontext`)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import re
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from harness.logcontext import request_id, session_id
+from harness.telemetry.logcontext import request_id, session_id
 
 VALID = re.compile(rb"^[A-Za-z0-9._:\-]{1,128}$")
 HEADER = b"x-request-id"

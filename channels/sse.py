@@ -26,7 +26,7 @@ from channels.spec import Answer, Param, operation
 from harness import failpoints
 from harness.events import LiveEvent
 from harness.ids import stream_key
-from harness.reads import check_event_id
+from harness.service.sessions import check_event_id
 
 HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 

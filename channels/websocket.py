@@ -39,8 +39,8 @@ from channels.types import WsCancel, WsClear, WsCompact, WsFrame, WsMessage, WsP
 from harness import Harness
 from harness.aio import cancel_and_wait
 from harness.errors import InvalidInput, KeelError, Limited, NotFound, Unavailable
-from harness.logcontext import request_id
-from harness.reads import check_event_id
+from harness.service.sessions import check_event_id
+from harness.telemetry.logcontext import request_id
 
 log = logging.getLogger("keel.ws")
 _enc = msgspec.json.Encoder()

@@ -1,6 +1,6 @@
 """keel's agent harness: the durable agent loop. Imports neither `app` nor `channels`."""
 
-from harness.agent import Agent
+from harness.loop.agent import Agent
 from harness.service import Harness
 from harness.tools import Tool, ToolContext, tool
 

@@ -9,7 +9,7 @@ import json
 import os
 
 from harness import Agent, ToolContext, tool
-from harness.compaction import Compaction
+from harness.loop.compaction import Compaction
 from harness.models import ModelReply, ModelRequest, ScriptedModel, ToolCall, Usage
 
 

@@ -31,7 +31,7 @@ from support import Deadline, start_valkey, stop_process  # the sibling module: 
 from app import build_harness
 from app.settings import Settings
 from harness import Agent, tool
-from harness.compaction import Compaction
+from harness.loop.compaction import Compaction
 from harness.models import CachingScriptedModel, Item, ModelReply, ModelRequest, ToolCall
 from harness.models.tokens import estimate_tokens
 from harness.types import PageContext

@@ -12,7 +12,7 @@ from typing import Any, Literal, Protocol
 import msgspec
 
 from harness.events import StoredEvent
-from harness.metrics import Histogram
+from harness.telemetry.metrics import Histogram
 
 
 class Outbound(msgspec.Struct, frozen=True):

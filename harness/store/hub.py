@@ -20,9 +20,9 @@ from collections.abc import AsyncIterator, Callable
 
 from harness.events import LiveEvent, StoredEvent
 from harness.ids import stream_key
+from harness.store.bus import LiveRelay
 from harness.store.client import Client
 from harness.store.clusterwire import AnyWire
-from harness.store.live import LiveRelay
 
 log = logging.getLogger("keel.hub")
 

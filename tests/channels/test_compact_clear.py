@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from harness import Agent
-from harness.compaction import Compaction
+from harness.loop.compaction import Compaction
 from harness.models import ModelReply, ModelRequest, ScriptedModel
 
 

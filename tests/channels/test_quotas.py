@@ -14,7 +14,7 @@ from redis.asyncio import Redis
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
-from harness.quotas import RateLimit
+from harness.service.quotas import RateLimit
 from tests.channels.slack_support import echo_agent, eventually
 
 KEYS = ("key-one", "key-two")

@@ -20,8 +20,8 @@ from typing import Any
 import httpx
 
 from harness import Agent, tool
-from harness.compaction import Compaction
 from harness.errors import ModelError
+from harness.loop.compaction import Compaction
 from harness.models import ModelReply, ModelRequest, ScriptedModel, ToolCall, Usage
 from tests.channels.linear_server import API_KEY, created, prompted
 from tests.channels.linear_server import SECRET as LINEAR_SECRET

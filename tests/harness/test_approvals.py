@@ -287,7 +287,7 @@ async def test_an_answer_and_a_cancel_racing_never_overwrite_each_other(make_har
     h = await make_harness(agent, run_turns=False)  # nobody finishes the cancel: the race window stays open
     sid = await h.create_session("anon")
     await h.submit(sid, "anon", "delete /x")
-    from harness.turn import TurnRunner
+    from harness.loop.turn import TurnRunner
 
     begun = await h.store.begin(sid, "", 5_000)
     await TurnRunner(h.store, agent, sid, begun, lambda *a: None).run()  # pauses with one request
@@ -322,7 +322,7 @@ async def test_asking_again_about_a_turn_that_paused_reports_how_it_ended(make_h
 async def test_a_crash_between_a_cancelled_pause_and_its_cancellation_still_withdraws(
     make_harness: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from harness.turn import TurnRunner
+    from harness.loop.turn import TurnRunner
 
     real_cancel = TurnRunner.cancel
     crashes = []
@@ -388,7 +388,7 @@ async def test_a_cancel_accepted_while_the_last_reply_is_on_its_way_ends_the_tur
 async def test_a_cancel_after_an_approval_never_announces_a_call_that_will_not_run(make_harness: Any) -> None:
     """The answer resumes the turn; the cancel lands after the resume began and before the
     approved call starts: no tool.started for a call that never runs."""
-    from harness.turn import TurnRunner
+    from harness.loop.turn import TurnRunner
 
     runs: list[tuple[str, dict[str, Any], str]] = []
     agent, _ = gated_agent(runs)

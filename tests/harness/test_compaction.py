@@ -8,10 +8,10 @@ import asyncio
 from typing import Any
 
 from harness import Agent, tool
-from harness.compaction import PREVIOUS_HEADER, SUMMARY_HEADER, TRANSCRIPT_HEADER, Compaction
+from harness.loop.compaction import PREVIOUS_HEADER, SUMMARY_HEADER, TRANSCRIPT_HEADER, Compaction
 from harness.models import ModelReply, ModelRequest, ScriptedModel, ToolCall, Usage
 from harness.models.tokens import request_tokens
-from harness.todo import HEADER as TODO_HEADER
+from harness.tools.todo import HEADER as TODO_HEADER
 
 
 async def run_turn(h: Any, sid: str, text: str, context: Any = None) -> Any:
@@ -378,7 +378,7 @@ async def test_a_restored_snapshot_is_not_a_turn_to_summarize_again(make_harness
 
 
 async def test_a_long_todo_list_is_never_trimmed() -> None:
-    from harness.compaction import trim
+    from harness.loop.compaction import trim
     from harness.models import Item
 
     todo = Item(id="r1", role="tool", text="[todo list]\n" + "- [ ] step\n" * 400, kind="tool_result", tool_name="todo")

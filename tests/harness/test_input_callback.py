@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from harness import Agent, tool
-from harness.compaction import Compaction
+from harness.loop.compaction import Compaction
 from harness.models import Item, ModelReply, ModelRequest, ScriptedModel, ToolCall
 
 OPS = ("repeat", "pop", "reorder", "filter", "deepcopy", "reconstruct", "drop_new", "invent", "none")

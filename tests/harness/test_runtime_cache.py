@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from harness import Agent, tool
+from harness.loop.runtime import HEADER
 from harness.models import CachingScriptedModel, ModelReply, ModelRequest, ScriptedModel, ToolCall
-from harness.runtime import HEADER
 
 
 async def run_turn(h: Any, sid: str, text: str, context: Any = None) -> Any:

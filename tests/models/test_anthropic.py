@@ -14,8 +14,8 @@ import anthropic
 import pytest
 
 from harness import Agent, Harness, tool
-from harness.compaction import Compaction
 from harness.events import LiveEvent, StoredEvent
+from harness.loop.compaction import Compaction
 from harness.models.anthropic import AnthropicModel
 from harness.models.base import ModelRequest
 from harness.types import Item

@@ -4,7 +4,7 @@ and every reader is told), and a session left alone for the session TTL expires,
 
 from __future__ import annotations
 
-from harness.reads import check_session_id
+from harness.service.sessions import check_session_id
 from harness.store import EventHub, Store
 
 

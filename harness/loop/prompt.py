@@ -28,8 +28,8 @@ from collections.abc import Awaitable, Callable, Sequence
 
 import msgspec
 
-from harness.context import context_items
 from harness.errors import CallbackError
+from harness.loop.context import context_items
 from harness.models.base import ModelRequest, ToolSpec
 from harness.types import InboxMessage, Item, ToolCall
 

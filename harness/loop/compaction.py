@@ -27,11 +27,11 @@ from typing import NamedTuple
 
 import msgspec
 
+from harness.loop.runtime import newest_snapshot
 from harness.models.base import Model, ModelRequest, complete
 from harness.models.tokens import estimate_tokens, item_tokens, items_tokens, request_tokens
-from harness.runtime import newest_snapshot
 from harness.store import Store
-from harness.todo import newest_todo, todo_item
+from harness.tools.todo import newest_todo, todo_item
 from harness.types import Item, Usage
 
 log = logging.getLogger("keel.compaction")

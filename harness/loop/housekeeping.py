@@ -14,10 +14,10 @@ from __future__ import annotations
 from typing import Any
 
 from harness import failpoints
-from harness.agent import Agent
-from harness.compaction import Compactor
 from harness.events import event_body
-from harness.outcomes import Final, Publish
+from harness.loop.agent import Agent
+from harness.loop.compaction import Compactor
+from harness.loop.outcomes import Final, Publish
 from harness.store import Begun, Store
 from harness.types import Item
 

@@ -9,18 +9,18 @@ import re
 from typing import Any
 
 from harness import failpoints
-from harness.agent import Agent
-from harness.context import split_context
-from harness.ending import SessionEnds
 from harness.errors import Conflict, InvalidInput, NotFound
 from harness.events import StoredEvent
-from harness.hooktargets import HookTargets
 from harness.ids import just_before, new_id
-from harness.metrics import HarnessStats
-from harness.quotas import RateLimit, RateLimiter
-from harness.reads import SessionReads, check_session_id
+from harness.loop.agent import Agent
+from harness.loop.context import split_context
 from harness.relay import Destination, Relay
 from harness.runner import Runner
+from harness.service.ending import SessionEnds
+from harness.service.hooktargets import HookTargets
+from harness.service.quotas import RateLimit, RateLimiter
+from harness.service.sessions import SessionReads, check_session_id
+from harness.service.waiting import collect_turn
 from harness.store import (
     Client,
     DeadLetter,
@@ -35,6 +35,7 @@ from harness.store import (
     Subscriptions,
     connect,
 )
+from harness.telemetry.metrics import HarnessStats
 from harness.types import (
     Answer,
     EntryKind,
@@ -43,7 +44,6 @@ from harness.types import (
     SubmitResult,
     TurnResult,
 )
-from harness.waiting import collect_turn
 
 log = logging.getLogger("keel")
 MESSAGE_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")

@@ -18,13 +18,13 @@ from collections.abc import Coroutine
 from typing import TypeVar
 
 from harness import failpoints
-from harness.agent import Agent
 from harness.errors import ModelError
 from harness.events import delta
-from harness.metrics import HarnessStats
+from harness.loop.agent import Agent
+from harness.loop.outcomes import Live, Publish
 from harness.models.base import ModelReply, ModelRequest, TextDelta
-from harness.outcomes import Live, Publish
 from harness.store import Store
+from harness.telemetry.metrics import HarnessStats
 from harness.types import Usage
 
 log = logging.getLogger("keel.model")

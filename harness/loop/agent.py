@@ -6,13 +6,13 @@ import copy
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from harness.compaction import Compaction
+from harness.loop.compaction import Compaction
+from harness.loop.prompt import InputCallback
+from harness.loop.runtime import RuntimeContext, RuntimeFn
 from harness.models.base import Model, ToolSpec
 from harness.models.spec import resolve
-from harness.prompt import InputCallback
-from harness.runtime import RuntimeContext, RuntimeFn
-from harness.todo import todo_tool
 from harness.tools import Tool
+from harness.tools.todo import todo_tool
 
 
 class Agent:
@@ -23,15 +23,15 @@ class Agent:
     - `max_steps` bounds the model calls of one turn; past it the turn fails with `max_steps`.
     - `runtime_context=[fn, ...]`: providers of volatile facts (branch, plan, date), each
       returning a short string or None; shown as snapshots in history, never in the system
-      prompt (see `harness.runtime`).
+      prompt (see `harness.loop.runtime`).
     - `input_callback(history, new_input) -> list[Item]`: reshapes what the model is shown;
-      never what is stored (see `harness.prompt`).
+      never what is stored (see `harness.loop.prompt`).
     - `context_window` (tokens) turns on automatic compaction, configured by `compaction`
-      (see `harness.compaction`); a manual compact uses `compaction` either way.
-    - `todo=True` gives the model the built-in `todo` tool (see `harness.todo`).
+      (see `harness.loop.compaction`); a manual compact uses `compaction` either way.
+    - `todo=True` gives the model the built-in `todo` tool (see `harness.tools.todo`).
     - `model_retries`: how many more attempts a model call gets after one that may succeed
       next time (rate limited, overloaded, unreachable, a cut or idle stream); see
-      `harness.modelcall`.
+      `harness.loop.modelcall`.
     """
 
     def __init__(

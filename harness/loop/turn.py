@@ -13,21 +13,21 @@ import time
 from typing import Any
 
 from harness import failpoints
-from harness.agent import Agent
-from harness.compaction import Compactor, split
 from harness.errors import CallbackError, ModelError, StaleLease
 from harness.events import event_body
 from harness.ids import new_id
-from harness.metrics import HarnessStats
-from harness.modelcall import Calls, Interrupted, ModelCall
+from harness.loop.agent import Agent
+from harness.loop.compaction import Compactor, split
+from harness.loop.modelcall import Calls, Interrupted, ModelCall
+from harness.loop.outcomes import Cancel, Final, Live, Outcome, Paused, Publish, RunTools, StepOutcome
+from harness.loop.prompt import assemble, new_input, user_item
+from harness.loop.runtime import changed, newest_snapshot, snapshot_item
 from harness.models.base import ModelReply, ModelRequest
 from harness.models.tokens import request_tokens
-from harness.outcomes import Cancel, Final, Live, Outcome, Paused, Publish, RunTools, StepOutcome
-from harness.prompt import assemble, new_input, user_item
-from harness.runtime import changed, newest_snapshot, snapshot_item
 from harness.store import Begun, CommitMode, Committed, Store, UsageRecord
-from harness.toolcalls import denial, needs_approval, request_id, result_item, run_call
+from harness.telemetry.metrics import HarnessStats
 from harness.tools import ToolContext
+from harness.tools.calls import denial, needs_approval, request_id, result_item, run_call
 from harness.types import Answer, ApprovalRequest, Item, ToolCall, Usage
 
 log = logging.getLogger("keel.turn")

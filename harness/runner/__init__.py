@@ -20,18 +20,18 @@ import logging
 import time
 from collections.abc import Callable
 
-from harness.agent import Agent
 from harness.aio import cancel_and_wait
 from harness.errors import StaleLease
 from harness.ids import stream_key
-from harness.lease import Renewal
-from harness.logcontext import session_id, turn_id
-from harness.metrics import HarnessStats
-from harness.modelcall import Calls, HandedOver
-from harness.ops import OpRunner
-from harness.outcomes import Final, Live, Publish
+from harness.loop.agent import Agent
+from harness.loop.housekeeping import OpRunner
+from harness.loop.modelcall import Calls, HandedOver
+from harness.loop.outcomes import Final, Live, Publish
+from harness.loop.turn import TurnRunner
+from harness.runner.lease import Renewal
 from harness.store import Begun, Busy, JobQueue, JobShards, Store
-from harness.turn import TurnRunner
+from harness.telemetry.logcontext import session_id, turn_id
+from harness.telemetry.metrics import HarnessStats
 
 log = logging.getLogger("keel.runner")
 COVERED_MAX = 50_000  # sessions remembered as covered; past that the memo restarts (costs a BEGIN)

@@ -1,0 +1,3 @@
+"""The agent loop: the Agent that defines it, one turn (model steps, tool calls, commits), one
+model step's attempts, prompt assembly with page and runtime context, compaction, the manual
+compact and clear, and the values a step comes to."""

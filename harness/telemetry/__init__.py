@@ -1,0 +1,2 @@
+"""What the harness tells operators: counters and histograms for /metrics, and the ids a log line
+carries."""
