@@ -29,7 +29,7 @@ typecheck: install
 	$(BIN)/mypy
 	$(BIN)/mypy --strict deploy/bench/*.py
 	cd deploy && MYPYPATH=bench:.. ../$(BIN)/mypy --strict smoke.py
-	cd deploy && MYPYPATH=bench ../$(BIN)/mypy --strict ws_load.py
+	cd deploy && MYPYPATH=bench:.. ../$(BIN)/mypy --strict ws_load.py
 	cd deploy && MYPYPATH=.. ../$(BIN)/mypy --strict slack_demo.py
 	cd deploy && MYPYPATH=.. ../$(BIN)/mypy --strict rolling_restart.py
 	$(BIN)/mypy --strict --explicit-package-bases --follow-imports=silent deploy/loadtest/*.py

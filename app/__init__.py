@@ -110,7 +110,7 @@ def create_app(
         for channel in hooks:
             await channel.start()
         outbound = OutboundWebhooks(
-            harness.hooks,
+            harness,
             allow_private=settings.webhook_allow_private,
             timeout=settings.webhook_timeout,
             retry_hours=settings.webhook_retry_hours,

@@ -16,8 +16,8 @@ from app.lifecycle import KeelServer
 from app.logs import configure as configure_logs
 from app.settings import Settings, SettingsError
 from app.wsproto import KeelWebSocketProtocol
+from harness import Harness
 from harness.errors import Unavailable
-from harness.store import reachable
 
 log = logging.getLogger("keel")
 
@@ -30,7 +30,7 @@ def prepare(settings: Settings) -> tuple[str, EmbeddedValkey | None]:
         log.info("embedded Valkey at %s, data in %s", url, embedded.data_dir)
         return url, embedded
     try:
-        cluster = asyncio.run(reachable(settings.redis_url))
+        cluster = asyncio.run(Harness.probe(settings.redis_url))
     except Unavailable as exc:
         raise SettingsError(f"REDIS_URL is not reachable: {exc.message}") from None
     if cluster:

@@ -34,8 +34,8 @@ from channels.sse import SseStats
 from channels.websocket import WsStats
 from harness import Harness
 from harness.errors import Unavailable
-from harness.store import Depth, redis_errors
-from harness.telemetry.metrics import Histogram
+from harness.telemetry.metrics import Histogram, redis_errors
+from harness.types import Depth
 
 log = logging.getLogger("keel.metrics")
 PATH = "/metrics"

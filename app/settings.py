@@ -7,8 +7,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from harness import RateLimit
 from harness.models.spec import check as check_model
-from harness.service.quotas import RateLimit
 
 DEMO_AGENT = "app.demo:agent"
 

@@ -1,16 +1,17 @@
 """Wire types of keel's answers: what the HTTP handlers encode and the websocket sends besides
 event envelopes. The OpenAPI document's answer schemas are these types' schemas, so the
 document follows the code (`channels.openapi`). Requests and client frames: `channels.types`;
-the session view, a settled turn and the event envelope are the harness's own (`SessionInfo`,
-`TurnResult`, `Event`)."""
+the session view is the harness's own (`SessionInfo`), the events the catalogue's
+(`harness.events`)."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
-from harness.types import Item, ItemKind, Role
+from harness.events import TurnStatus
+from harness.types import Item, ItemKind, Role, TurnResult
 
 
 class ErrorDetail(msgspec.Struct, omit_defaults=True):
@@ -31,7 +32,7 @@ class Health(msgspec.Struct):
     ok: bool
 
 
-class SessionCreated(msgspec.Struct):
+class NewSession(msgspec.Struct):
     session_id: str
 
 
@@ -124,40 +125,26 @@ class Retried(msgspec.Struct):
     retried: int
 
 
-# ---- transient events and the websocket's own server frames
+# ---- a settled turn, and the websocket's own server frames (events are `harness.events`')
+
+# An event as it was stored (byte for byte what SSE sends); documented as the catalogue's `Event`.
+RawEvent = Annotated[msgspec.Raw, msgspec.Meta(extra_json_schema={"$ref": "#/components/schemas/Event"})]
 
 
-class DeltaData(msgspec.Struct):
-    item_id: str
-    delta: str
-    offset: int  # where `delta` starts in the item's text, in characters
+class SettledTurn(msgspec.Struct):
+    """`POST .../messages?wait=true`: how the turn came out (`pending` past the timeout), its
+    reply, and its events from its message.received on."""
 
-
-class MessageDelta(msgspec.Struct):
-    """A piece of a reply as it streams (`harness.events.delta` writes these bytes): no id, no
-    seq, never stored or replayed."""
-
-    type: Literal["message.delta"]
     session_id: str
-    turn_id: str
-    at: float
-    data: DeltaData
+    message_id: str
+    status: TurnStatus | Literal["pending"]
+    reply: str | None
+    events: list[RawEvent]
 
 
-class DeletedData(msgspec.Struct):
-    reason: Literal["deleted", "gone"]  # deleted: by DELETE; gone: found no longer there (expired, say)
-
-
-class SessionDeleted(msgspec.Struct):
-    """The last thing a reader of a session gets when the session ends (`harness.events.
-    session_deleted` writes these bytes): on SSE as `event: session.deleted` without `id:`, then
-    the stream ends; on the websocket as a frame, then a close (4404). Never stored or replayed."""
-
-    type: Literal["session.deleted"]
-    session_id: str
-    turn_id: None
-    at: float
-    data: DeletedData
+def settled(turn: TurnResult) -> SettledTurn:
+    events = [msgspec.Raw(e.raw) for e in turn.events]
+    return SettledTurn(turn.session_id, turn.message_id, turn.status, turn.reply, events)
 
 
 class WsError(msgspec.Struct, tag="error", tag_field="type", omit_defaults=True):

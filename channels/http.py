@@ -17,16 +17,18 @@ from channels.answers import (
     Health,
     HistoryPage,
     MessageAccepted,
+    NewSession,
     ResponseAccepted,
-    SessionCreated,
     SessionToken,
+    SettledTurn,
     TurnQueued,
     history_item,
+    settled,
 )
 from channels.errors import ChannelError, error_response
-from channels.spec import Answer, Param, operation
+from channels.spec import Param, Returns, operation
 from channels.types import (
-    Cancel,
+    CancelTurn,
     CreateSession,
     Empty,
     Respond,
@@ -39,7 +41,7 @@ from channels.types import (
 )
 from harness import Harness
 from harness.errors import Unavailable
-from harness.types import SessionInfo, TurnResult
+from harness.types import SessionInfo
 
 _enc = msgspec.json.Encoder()
 MAX_WAIT_S = 300.0
@@ -115,7 +117,7 @@ QUEUED = {429: "`rate_limited` (past `KEEL_RATE_LIMIT`), `queue_full` (past `KEE
 
 @operation(
     "Create a session",
-    Answer(201, SessionCreated, "The new session", provides={"sid": "$response.body#/session_id"}),
+    Returns(201, NewSession, "The new session", provides={"sid": "$response.body#/session_id"}),
     body=CreateSession,
     body_optional=True,
     errors=RATED,
@@ -123,15 +125,15 @@ QUEUED = {429: "`rate_limited` (past `KEEL_RATE_LIMIT`), `queue_full` (past `KEE
 async def create_session(request: Request) -> Response:
     body = decode(create_session_decoder, await read_body(request), empty_ok=True)
     harness = harness_of(request)
-    await harness.admit(owner_of(request))
-    sid = await harness.create_session(owner_of(request), body.metadata)
-    return json_response(SessionCreated(sid), 201)
+    await harness.quotas.admit(owner_of(request))
+    sid = await harness.sessions.create(owner_of(request), body.metadata)
+    return json_response(NewSession(sid), 201)
 
 
 @operation(
     "Send a message",
-    Answer(202, MessageAccepted, "Queued (without `wait`)"),
-    Answer(200, TurnResult, "With `?wait=true`: the turn settled, or `pending` past the timeout"),
+    Returns(202, MessageAccepted, "Queued (without `wait`)"),
+    Returns(200, SettledTurn, "With `?wait=true`: the turn settled, or `pending` past the timeout"),
     body=SendMessage,
     errors={
         **NOT_FOUND,
@@ -156,19 +158,19 @@ async def send_message(request: Request) -> Response:
             raise ChannelError(400, "invalid_query", "?timeout= must be positive")
     body = decode(send_message_decoder, await read_body(request))
     harness = harness_of(request)
-    await harness.admit(owner_of(request))
+    await harness.quotas.admit(owner_of(request))
     if wait:
-        turn = await harness.submit_and_wait(
+        turn = await harness.sessions.submit_and_wait(
             sid, owner_of(request), body.text, context=body.context, message_id=body.message_id, timeout=timeout
         )
-        return json_response(turn, 200)
-    result = await harness.submit(sid, owner_of(request), body.text, body.context, body.message_id)
+        return json_response(settled(turn), 200)
+    result = await harness.sessions.submit(sid, owner_of(request), body.text, body.context, body.message_id)
     return json_response(MessageAccepted(sid, result.message_id), 202)
 
 
 @operation(
     "Answer an approval request",
-    Answer(202, ResponseAccepted, "Recorded (the same answer again is accepted too)"),
+    Returns(202, ResponseAccepted, "Recorded (the same answer again is accepted too)"),
     body=Respond,
     errors={
         404: "`session_not_found`, `request_not_found`",
@@ -179,27 +181,29 @@ async def send_message(request: Request) -> Response:
 async def respond(request: Request) -> Response:
     sid = request.path_params["sid"]
     body = decode(respond_decoder, await read_body(request))
-    res = await harness_of(request).respond(sid, owner_of(request), body.request_id, body.decision, body.reason)
+    res = await harness_of(request).sessions.respond(
+        sid, owner_of(request), body.request_id, body.decision, body.reason
+    )
     return json_response(ResponseAccepted(sid, body.request_id, res.answer.decision), 202)
 
 
 @operation(
     "Cancel the turn in progress (or only `turn_id`)",
-    Answer(202, TurnQueued, "The turn that will end with turn.cancelled"),
-    body=Cancel,
+    Returns(202, TurnQueued, "The turn that will end with turn.cancelled"),
+    body=CancelTurn,
     body_optional=True,
     errors={**NOT_FOUND, 409: "`nothing_to_cancel`", 400: "`invalid_request`, `invalid_json`, `invalid_turn_id`"},
 )
 async def cancel(request: Request) -> Response:
     sid = request.path_params["sid"]
     body = decode(cancel_decoder, await read_body(request), empty_ok=True)
-    turn_id = await harness_of(request).cancel(sid, owner_of(request), body.turn_id)
+    turn_id = await harness_of(request).sessions.cancel(sid, owner_of(request), body.turn_id)
     return json_response(TurnQueued(sid, turn_id), 202)
 
 
 @operation(
     "Queue a compaction",
-    Answer(202, TurnQueued, "Queued behind the session's turns"),
+    Returns(202, TurnQueued, "Queued behind the session's turns"),
     body=Empty,
     body_optional=True,
     errors={**NOT_FOUND, **QUEUED},
@@ -212,7 +216,7 @@ async def compact(request: Request) -> Response:
 
 @operation(
     "Queue a clear of the model's history",
-    Answer(202, TurnQueued, "Queued behind the session's turns"),
+    Returns(202, TurnQueued, "Queued behind the session's turns"),
     body=Empty,
     body_optional=True,
     errors={**NOT_FOUND, 429: "`queue_full`: past `KEEL_MAX_QUEUED` (Retry-After)"},
@@ -228,15 +232,15 @@ async def _operation(request: Request, kind: Literal["compact", "clear"]) -> Res
     decode(empty_decoder, await read_body(request), empty_ok=True)
     harness = harness_of(request)
     if kind == "compact":  # (a compaction calls the model: it counts like a message)
-        await harness.admit(owner_of(request))
-    op = harness.compact if kind == "compact" else harness.clear
+        await harness.quotas.admit(owner_of(request))
+    op = harness.sessions.compact if kind == "compact" else harness.sessions.clear
     op_id = await op(sid, owner_of(request))
     return json_response(TurnQueued(sid, op_id), 202)
 
 
 @operation(
     "Mint a websocket token for a browser",
-    Answer(201, SessionToken, "A short-lived token for `?token=` on this session's websocket"),
+    Returns(201, SessionToken, "A short-lived token for `?token=` on this session's websocket"),
     body=Empty,
     body_optional=True,
     errors={
@@ -250,29 +254,31 @@ async def mint_token(request: Request) -> Response:
     decode(empty_decoder, await read_body(request), empty_ok=True)
     owner = owner_of(request)
     harness = harness_of(request)
-    await harness.check_owner(sid, owner)
-    await harness.admit(owner)
-    await harness.admit_token(sid)
+    await harness.sessions.check_owner(sid, owner)
+    await harness.quotas.admit(owner)
+    await harness.quotas.admit_token(sid)
     token, expires_at = request.app.state.tokens.mint(sid, owner)
     return json_response(SessionToken(token, expires_at), 201)
 
 
-@operation("A session's status, open requests, queue, usage", Answer(200, SessionInfo, "The session"), errors=NOT_FOUND)
+@operation(
+    "A session's status, open requests, queue, usage", Returns(200, SessionInfo, "The session"), errors=NOT_FOUND
+)
 async def get_session(request: Request) -> Response:
-    info = await harness_of(request).session(request.path_params["sid"], owner_of(request))
+    info = await harness_of(request).sessions.info(request.path_params["sid"], owner_of(request))
     return json_response(info)
 
 
 @operation(
     "Delete a session: all of it, at once",
-    Answer(204, None, "Deleted: a turn in progress was stopped; readers got `session.deleted`"),
+    Returns(204, None, "Deleted: a turn in progress was stopped; readers got `session.deleted`"),
     errors=NOT_FOUND,
 )
 async def delete_session(request: Request) -> Response:
     """Remove the session and everything of it (history, events, queued messages, requests,
     delivery state) in one step. A turn in progress is stopped; SSE streams and websockets of the
     session get `session.deleted` and end. Afterwards the id is unknown (404)."""
-    await harness_of(request).delete(request.path_params["sid"], owner_of(request))
+    await harness_of(request).sessions.delete(request.path_params["sid"], owner_of(request))
     return Response(status_code=204)
 
 
@@ -287,7 +293,7 @@ def int_query(request: Request, name: str, default: int, low: int, high: int) ->
 
 @operation(
     "A page of the active history, oldest first",
-    Answer(200, HistoryPage, "Items, and where the next page starts"),
+    Returns(200, HistoryPage, "Items, and where the next page starts"),
     errors={**NOT_FOUND, 400: "`invalid_query`"},
     params=(
         Param("offset", {"type": "integer", "minimum": 0, "maximum": 10**9}, "Where the page starts"),
@@ -300,20 +306,20 @@ async def get_history(request: Request) -> Response:
     offset = int_query(request, "offset", 0, 0, 10**9)
     limit = int_query(request, "limit", HISTORY_PAGE, 1, HISTORY_PAGE_MAX)
     sid = request.path_params["sid"]
-    items = await harness_of(request).history(sid, owner_of(request), offset, limit + 1)
+    items = await harness_of(request).sessions.history(sid, owner_of(request), offset, limit + 1)
     more = len(items) > limit
     page = [history_item(i) for i in items[:limit]]
     return json_response(HistoryPage(page, offset + limit if more else None))
 
 
-@operation("The process is up", Answer(200, Health, "Always"), storage=False, tag="operations")
+@operation("The process is up", Returns(200, Health, "Always"), storage=False, tag="operations")
 async def healthz(request: Request) -> Response:
     return json_response(Health(ok=True))
 
 
 @operation(
     "Redis is reachable",
-    Answer(200, Health, "Ready"),
+    Returns(200, Health, "Ready"),
     errors={503: "`redis_unavailable`"},
     storage=False,
     tag="operations",

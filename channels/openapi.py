@@ -17,16 +17,17 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route, WebSocketRoute
 
-from channels.answers import ErrorEnvelope, MessageDelta, SessionDeleted, WsError, WsHeartbeat, WsPong
+from channels.answers import ErrorEnvelope, WsError, WsHeartbeat, WsPong
 from channels.auth import protected
 from channels.drain import OPEN_PATHS
-from channels.spec import Answer, Operation, operation, operation_of
-from harness.service.sessions import SESSION_ID
-from harness.types import Event
+from channels.spec import Operation, Returns, operation, operation_of
+from harness.events import Event, MessageDelta, SessionDeleted
+from harness.ids import SESSION_ID
 
 REF = "#/components/schemas/{name}"
 VERSION = "1"
-# Named schemas besides the types the routes name: the event envelope and the websocket's frames.
+# Named schemas besides the types the routes name: the events (`Event`: any committed one, by
+# its `type`; each type its own schema, from the catalogue) and the websocket's frames.
 NAMED: tuple[Any, ...] = (ErrorEnvelope, Event, MessageDelta, SessionDeleted, WsError, WsHeartbeat, WsPong)
 PATH_PARAMS = {
     "sid": {"type": "string", "pattern": SESSION_ID.pattern},
@@ -100,7 +101,7 @@ def _errors(path: str, op: Operation) -> dict[int, str]:
     return errors
 
 
-def _response(answer: Answer, schema: dict[str, Any] | None) -> dict[str, Any]:
+def _response(answer: Returns, schema: dict[str, Any] | None) -> dict[str, Any]:
     out: dict[str, Any] = {"description": answer.description}
     if schema is not None:
         out["content"] = {answer.media: {"schema": schema}}
@@ -118,6 +119,7 @@ def document(routes: Iterable[BaseRoute]) -> dict[str, Any]:
     schemas, components = msgspec.json.schema_components(types, ref_template=REF)
     schema_of = dict(zip(types, schemas, strict=True))
     components = dict(sorted(components.items()))
+    components["Event"] = schema_of[Event]
     components["WsServerFrame"] = {
         "anyOf": [_ref(n) for n in ("Event", "MessageDelta", "SessionDeleted", "WsError", "WsHeartbeat", "WsPong")]
     }
@@ -192,7 +194,7 @@ def document(routes: Iterable[BaseRoute]) -> dict[str, Any]:
 
 @operation(
     "This document",
-    Answer(200, dict[str, Any], "The OpenAPI 3.1 document (public: no API key)"),
+    Returns(200, dict[str, Any], "The OpenAPI 3.1 document (public: no API key)"),
     storage=False,
     tag="meta",
 )

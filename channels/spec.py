@@ -28,7 +28,7 @@ class Param:
 
 
 @dataclass(frozen=True)
-class Answer:
+class Returns:
     """A successful answer: its status, its msgspec type (None: no body) and media type."""
 
     status: int
@@ -43,7 +43,7 @@ class Answer:
 @dataclass(frozen=True)
 class Operation:
     summary: str
-    answers: tuple[Answer, ...]
+    answers: tuple[Returns, ...]
     errors: Mapping[int, str] = field(default_factory=dict)  # status -> the codes it carries
     body: Any = None  # the msgspec type of the JSON body
     body_optional: bool = False  # an empty body is as good as {}
@@ -57,7 +57,7 @@ class Operation:
 _operations: dict[Callable[..., Any], Operation] = {}
 
 
-def operation(summary: str, *answers: Answer, **details: Any) -> Callable[[F], F]:
+def operation(summary: str, *answers: Returns, **details: Any) -> Callable[[F], F]:
     """Record what the document says about the decorated handler."""
     op = Operation(summary, answers, **details)
 

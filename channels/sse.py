@@ -22,11 +22,9 @@ from starlette.types import Message, Receive, Scope, Send
 from channels.drain import Drain
 from channels.http import NOT_FOUND, harness_of, owner_of
 from channels.limits import HeldStream, Occupancy
-from channels.spec import Answer, Param, operation
+from channels.spec import Param, Returns, operation
 from harness import failpoints
 from harness.events import LiveEvent
-from harness.ids import stream_key
-from harness.service.sessions import check_event_id
 
 HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -43,7 +41,7 @@ EVENT_ID = {"type": "string", "pattern": "^[0-9]{1,20}-[0-9]{1,20}$"}
 
 @operation(
     "The session's events: replayed, then live (server-sent events)",
-    Answer(
+    Returns(
         200,
         str,
         "`id:` the event id, `event:` its type, `data:` the envelope (`Event`, or a `MessageDelta` without "
@@ -60,11 +58,10 @@ EVENT_ID = {"type": "string", "pattern": "^[0-9]{1,20}-[0-9]{1,20}$"}
 )
 async def stream_events(request: Request) -> Response:
     sid = request.path_params["sid"]
-    # EventSource reconnects to the same URL with Last-Event-ID: resume from the newer of the two.
-    given = [check_event_id(x) for x in (request.query_params.get("after"), request.headers.get("last-event-id")) if x]
-    after = max(given, key=stream_key, default="0-0")
     harness = harness_of(request)
-    await harness.check_owner(sid, owner_of(request))
+    # EventSource reconnects to the same URL with Last-Event-ID: resume from the newer of the two.
+    after = harness.sessions.resume_after(request.query_params.get("after"), request.headers.get("last-event-id"))
+    await harness.sessions.check_owner(sid, owner_of(request))
     heartbeat: float = request.app.state.sse_heartbeat
     stats: SseStats = request.app.state.sse_stats
 
@@ -72,7 +69,7 @@ async def stream_events(request: Request) -> Response:
         stats.open += 1
         try:
             yield b"retry: 2000\n\n"
-            async for event in harness.tail(sid, after, heartbeat=heartbeat):
+            async for event in harness.sessions.tail(sid, after, heartbeat=heartbeat):
                 if event is None:
                     yield b": keep-alive\n\n"
                 elif isinstance(event, LiveEvent):  # transient: no id, so Last-Event-ID stays put

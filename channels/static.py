@@ -1,15 +1,18 @@
 """Static files keel serves: the browser widget (always) and, in the keyless local default, the
-demo page. Read once at start-up; served from memory."""
+demo page. Read once at start-up; served from memory. The widget gets keel's event type names
+from the catalogue (`harness.events`) as it is read, so it spells none of its own."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from channels.spec import Answer, operation
+from channels.spec import Returns, operation
+from harness.events import COMMITTED, LIVE
 
 HERE = Path(__file__).parent / "static"
 TYPES = {
@@ -26,8 +29,15 @@ PAGE_HEADERS = {
 }
 
 
-def file_route(path: str, file: Path) -> Route:
+EVENTS_SLOT = b"/* keel: events */ {}"  # where the widget takes the event types (Name: type)
+
+
+def file_route(path: str, file: Path, *, events: bool = False) -> Route:
     body = file.read_bytes()
+    if events:
+        names = msgspec.json.encode({c.__name__: c.TYPE for c in (*COMMITTED, *LIVE)})
+        assert EVENTS_SLOT in body, f"{file.name} has no place for the event types"
+        body = body.replace(EVENTS_SLOT, names)
     headers = {**PAGE_HEADERS, "Content-Type": TYPES[file.suffix]}
 
     async def serve(request: Request) -> Response:
@@ -37,8 +47,8 @@ def file_route(path: str, file: Path) -> Route:
 
 
 def widget_routes() -> list[Route]:
-    widget = file_route("/widget.js", HERE / "widget.js")
-    answer = Answer(200, str, "The browser widget (see the README)", media="text/javascript")
+    widget = file_route("/widget.js", HERE / "widget.js", events=True)
+    answer = Returns(200, str, "The browser widget (see the README)", media="text/javascript")
     operation("The embeddable widget's script", answer, storage=False, tag="static")(widget.endpoint)
     return [widget]
 

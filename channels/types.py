@@ -26,7 +26,7 @@ class Respond(msgspec.Struct, forbid_unknown_fields=True):
     reason: str = ""
 
 
-class Cancel(msgspec.Struct, forbid_unknown_fields=True):
+class CancelTurn(msgspec.Struct, forbid_unknown_fields=True):
     turn_id: str | None = None
 
 
@@ -73,6 +73,6 @@ WsFrame = WsMessage | WsRespond | WsCancel | WsCompact | WsClear | WsPing
 create_session_decoder = msgspec.json.Decoder(CreateSession)
 ws_frame_decoder = msgspec.json.Decoder(WsFrame)
 empty_decoder = msgspec.json.Decoder(Empty)
-cancel_decoder = msgspec.json.Decoder(Cancel)
+cancel_decoder = msgspec.json.Decoder(CancelTurn)
 respond_decoder = msgspec.json.Decoder(Respond)
 send_message_decoder = msgspec.json.Decoder(SendMessage)

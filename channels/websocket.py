@@ -33,13 +33,12 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from channels.answers import ErrorDetail, WsError, WsHeartbeat, WsPong
 from channels.drain import RESTART, Drain
 from channels.limits import Occupancy
-from channels.spec import Answer, Param, operation
+from channels.spec import Param, Returns, operation
 from channels.tokens import TokenSigner
 from channels.types import WsCancel, WsClear, WsCompact, WsFrame, WsMessage, WsPing, WsRespond, ws_frame_decoder
 from harness import Harness
 from harness.aio import cancel_and_wait
 from harness.errors import InvalidInput, KeelError, Limited, NotFound, Unavailable
-from harness.service.sessions import check_event_id
 from harness.telemetry.logcontext import request_id
 
 log = logging.getLogger("keel.ws")
@@ -88,7 +87,7 @@ def origin_allowed(ws: WebSocket, origins: tuple[str, ...]) -> bool:
 
 @operation(
     "The session's websocket",
-    Answer(101, None, "Switching protocols: events and frames as `x-websocket` says; closes as the README lists"),
+    Returns(101, None, "Switching protocols: events and frames as `x-websocket` says; closes as the README lists"),
     params=(
         Param("after", {"type": "string", "pattern": "^[0-9]{1,20}-[0-9]{1,20}$"}, "Replay after this event id"),
         Param("token", {"type": "string"}, "A token from `POST .../tokens` (browsers), instead of an API key"),
@@ -161,8 +160,8 @@ async def _admit(
     if owner is None:
         raise Closed(4401, "unauthorized")
     try:
-        await harness.check_owner(sid, owner)
-        after = check_event_id(ws.query_params.get("after") or "0-0")
+        await harness.sessions.check_owner(sid, owner)
+        after = harness.sessions.resume_after(ws.query_params.get("after"))
     except NotFound as exc:
         raise Closed(4404, exc.message) from None
     except InvalidInput as exc:
@@ -214,7 +213,7 @@ class Connection:
         raise Closed(RESTART, "the server is restarting; reconnect")
 
     async def _follow(self, after: str) -> None:
-        async for event in self.harness.tail(self.sid, after, heartbeat=self.config.heartbeat, gate=self.gate):
+        async for event in self.harness.sessions.tail(self.sid, after, heartbeat=self.config.heartbeat, gate=self.gate):
             frame = event.raw if event is not None else _enc.encode(WsHeartbeat(time.time()))
             await self._send(frame)
         # the session ended (its session.deleted was the last frame): the writer closes the
@@ -271,20 +270,20 @@ class Connection:
             await self._error(exc.code, exc.message, ref)
 
     async def _do(self, frame: WsFrame) -> None:
-        h, sid, owner = self.harness, self.sid, self.owner
+        sessions, quotas, sid, owner = self.harness.sessions, self.harness.quotas, self.sid, self.owner
         match frame:
             case WsMessage(text=text, context=context, message_id=message_id):
-                await h.admit(owner)
-                await h.submit(sid, owner, text, context, message_id)
+                await quotas.admit(owner)
+                await sessions.submit(sid, owner, text, context, message_id)
             case WsRespond(request_id=rid, decision=decision, reason=reason):
-                await h.respond(sid, owner, rid, decision, reason)
+                await sessions.respond(sid, owner, rid, decision, reason)
             case WsCancel(turn_id=turn_id):
-                await h.cancel(sid, owner, turn_id)
+                await sessions.cancel(sid, owner, turn_id)
             case WsCompact():
-                await h.admit(owner)
-                await h.compact(sid, owner)
+                await quotas.admit(owner)
+                await sessions.compact(sid, owner)
             case WsClear():
-                await h.clear(sid, owner)
+                await sessions.clear(sid, owner)
             case WsPing(ref=ref):
                 await self._send(_enc.encode(WsPong(ref)))
 

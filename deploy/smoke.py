@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "bench"))
 from support import Deadline, start_valkey, stop_process  # the benchmarks' helpers
 
 from harness import Agent, Harness, tool
-from harness.events import LiveEvent, StoredEvent
+from harness.events import OUTCOMES, LiveEvent, StoredEvent, ToolCompleted, TurnFailed
 from harness.models.spec import KEYS
 
 
@@ -47,26 +47,27 @@ async def one_turn(spec: str, url: str) -> bool:
     h = Harness.connect(url, agent)
     await h.start()
     try:
-        sid = await h.create_session("smoke")
+        sid = await h.sessions.create("smoke")
         deltas = 0
 
         async def read() -> None:
             nonlocal deltas
-            async for event in h.tail(sid, "0-0", heartbeat=30):
+            async for event in h.sessions.tail(sid, "0-0", heartbeat=30):
                 deltas += isinstance(event, LiveEvent)
-                if isinstance(event, StoredEvent) and event.type in ("turn.completed", "turn.failed"):
+                if isinstance(event, StoredEvent) and OUTCOMES.get(event.type) in ("completed", "failed"):
                     return
 
         reader = asyncio.create_task(read())
-        result = await h.wait_turn(await h.submit(sid, "smoke", "What is 1234 + 4321?"), 120)
+        result = await h.sessions.wait_turn(await h.sessions.submit(sid, "smoke", "What is 1234 + 4321?"), 120)
         await asyncio.wait_for(reader, 10)
-        tools = [e["data"]["result"] for e in result.events if e["type"] == "tool.completed"]
-        info = await h.session(sid, "smoke")
+        tools = [done.data.result for e in result.events if (done := e.of(ToolCompleted)) is not None]
+        info = await h.sessions.info(sid, "smoke")
         ok = result.status == "completed" and tools == ["5555"]
         print(f"{spec}: {result.status}; tool results {tools}; {deltas} deltas; reply {result.reply!r}")
         print(f"  usage {info.usage}")
         if result.status == "failed":
-            print(f"  error {result.events[-1]['data'].get('error')}")
+            failed = result.events[-1].of(TurnFailed)
+            print(f"  error {failed.data.error if failed is not None else None}")
         return ok
     finally:
         await h.stop()

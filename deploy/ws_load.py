@@ -46,6 +46,8 @@ from support import (  # deploy/bench/support.py
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
+from harness.events import SessionCreated, TurnCompleted
+
 AGENT = "deploy.bench.agents:agent"
 
 
@@ -90,9 +92,9 @@ class Client:
             if "id" not in frame:
                 continue  # heartbeat, pong, error
             self.events.append(frame)
-            if frame["type"] == "session.created":
+            if frame["type"] == SessionCreated.TYPE:
                 self.ready.set()
-            elif frame["type"] == "turn.completed":
+            elif frame["type"] == TurnCompleted.TYPE:
                 waiter = self.waiting.pop(frame["data"]["message_id"], None)
                 if waiter is not None and not waiter.done():
                     waiter.set_result(None)

@@ -1,7 +1,18 @@
-"""keel's agent harness: the durable agent loop. Imports neither `app` nor `channels`."""
+"""keel's agent harness: the public face of the durable agent loop.
+
+keel's agent harness: the durable agent loop, in rooms by part (see README "Architecture in a
+page"). Imports neither `app` nor `channels`.
+
+The public face: an agent is an `Agent` with `tool`s (`from harness import Agent, ToolContext,
+tool`), a `Compaction` to tune, models from `harness.models`; a keel process runs one
+`Harness`. Channels also read `harness.events` (the catalogue of events), `harness.types`,
+`harness.errors` and implement `harness.relay.Destination`.
+"""
 
 from harness.loop.agent import Agent
+from harness.loop.compaction import Compaction
 from harness.service import Harness
+from harness.service.quotas import RateLimit
 from harness.tools import Tool, ToolContext, tool
 
-__all__ = ["Agent", "Harness", "Tool", "ToolContext", "tool"]
+__all__ = ["Agent", "Compaction", "Harness", "RateLimit", "Tool", "ToolContext", "tool"]

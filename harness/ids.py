@@ -1,11 +1,18 @@
-"""Identifiers: short, random, URL-safe, sortable by creation time."""
+"""Identifiers: the ids keel makes, and the shapes of the ids callers give.
+
+Identifiers: short, random, URL-safe, sortable by creation time; and the shapes of the ids
+callers give (a session's, a message's)."""
 
 from __future__ import annotations
 
 import base64
 import functools
 import os
+import re
 import time
+
+SESSION_ID = re.compile(r"^ses_[0-9a-z]{26}$")
+MESSAGE_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")  # a client's idempotency key (and a request id)
 
 _ALPHABET = "0123456789abcdefghjkmnpqrstvwxyz"  # Crockford base32, lower case
 
@@ -53,17 +60,3 @@ def new_id(prefix: str) -> str:
     """`prefix_` + 10 chars of milliseconds + 16 chars of randomness (80 bits)."""
     rand = base64.b32encode(_random.take(10)).translate(_FROM_STD).decode()
     return f"{prefix}_{_ms_text(time.time_ns() // 1_000_000)}{rand}"
-
-
-def stream_key(eid: str) -> tuple[int, int]:
-    """A Redis stream id as (ms, seq), for comparing: stream ids never compare as strings."""
-    ms, _, seq = eid.partition("-")
-    return int(ms), int(seq or 0)
-
-
-def just_before(eid: str) -> str:
-    """The stream id just before `eid`, so a read 'after' it includes `eid` itself."""
-    ms, seq = stream_key(eid)
-    if seq > 0:
-        return f"{ms}-{seq - 1}"
-    return f"{ms - 1}-{2**64 - 1}" if ms > 0 else "0-0"

@@ -6,9 +6,11 @@ never changes. Everything here is plain data; behaviour lives in the modules tha
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import msgspec
+
+from harness.events import Decision, Requested, StoredEvent, TurnStatus
 
 Role = Literal["user", "assistant", "tool"]
 # "message": a user message or a model reply; "tool_result": a tool's answer;
@@ -79,27 +81,10 @@ class InboxMessage(msgspec.Struct, frozen=True, omit_defaults=True):
     author: str = ""  # who wrote it, as the channel names them (a Slack user id); "" over the API
 
 
-class ErrorInfo(msgspec.Struct, frozen=True):
-    code: str
-    message: str
-
-
-class Event(msgspec.Struct, frozen=True):
-    """One event envelope as clients receive it (SSE `data:`, websocket frame)."""
-
-    id: str
-    seq: int
-    type: str
-    session_id: str
-    turn_id: str | None
-    at: float
-    data: dict[str, Any]
-
-
 class SessionInfo(msgspec.Struct, frozen=True):
     session_id: str
     status: SessionStatus
-    pending: list[dict[str, Any]]
+    pending: list[Requested]
     queued: int
     usage: dict[str, int]
     metadata: dict[str, Any]
@@ -116,19 +101,19 @@ class SubmitResult(msgspec.Struct, frozen=True):
 
 
 class TurnResult(msgspec.Struct, frozen=True):
+    """How a message's turn came out (`pending`: not yet, when the wait ended), with its events
+    from its message.received on."""
+
     session_id: str
     message_id: str
-    status: Literal["completed", "failed", "cancelled", "waiting", "pending"]
+    status: TurnStatus | Literal["pending"]
     reply: str | None
-    events: list[dict[str, Any]]
+    events: list[StoredEvent]
 
 
 item_encoder = msgspec.json.Encoder()
 item_decoder = msgspec.json.Decoder(Item)
 inbox_decoder = msgspec.json.Decoder(InboxMessage)
-
-
-Decision = Literal["approve", "deny", "withdrawn"]
 
 
 class ApprovalRequest(msgspec.Struct, frozen=True):
@@ -149,3 +134,41 @@ class Answer(msgspec.Struct, frozen=True, omit_defaults=True):
 
 request_decoder = msgspec.json.Decoder(ApprovalRequest)
 answer_decoder = msgspec.json.Decoder(Answer)
+
+
+class Depth(NamedTuple):
+    """The turn job queue now: jobs not yet done (unread, or read and not acknowledged), and the
+    age of the oldest of them in seconds (0 with none)."""
+
+    jobs: int
+    oldest_s: float
+
+
+class Subscription(msgspec.Struct, frozen=True):
+    """An API key's outbound event webhook: a URL, the event types it wants, the secret its
+    deliveries are signed with."""
+
+    id: str
+    owner: str
+    url: str
+    events: list[str]
+    secret: str
+    description: str = ""
+    created_at: float = 0.0
+    disabled: str = ""  # why deliveries stopped (the receiver answered 410), "" while active
+
+    @property
+    def destination(self) -> str:
+        """Its delivery relay destination."""
+        return f"wh:{self.id}"
+
+
+class DeadLetter(msgspec.Struct, frozen=True):
+    """An event the delivery relay gave up on for one destination, and why."""
+
+    session_id: str
+    event_id: str
+    destination: str
+    error: str
+    attempts: int
+    at: float

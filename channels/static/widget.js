@@ -18,6 +18,9 @@
 (function () {
   "use strict";
 
+  // keel's event types by name, from its catalogue (harness/events.py): filled in when served
+  const EV = /* keel: events */ {};
+
   const STYLE = `
 .keel-panel{font:14px/1.4 system-ui,sans-serif;display:flex;flex-direction:column;height:100%;
   border:1px solid #d0d4da;border-radius:8px;background:#fff;color:#1d232b;overflow:hidden}
@@ -139,7 +142,7 @@
           seen.add(frame.id);
           lastId = frame.id;
           render(frame);
-        } else if (frame.type === "message.delta") {
+        } else if (frame.type === EV.MessageDelta) {
           render(frame); // transient, no id: never counted as seen, never a resume point
         } else if (frame.type === "error") {
           add(el("div", "keel-error", frame.error.message));
@@ -187,14 +190,14 @@
     function render(ev) {
       const d = ev.data || {};
       switch (ev.type) {
-        case "message.received":
+        case EV.MessageReceived:
           unacked.delete(d.message_id);
           add(el("div", "keel-msg keel-user", d.text), ev.id);
           break;
-        case "turn.started":
+        case EV.TurnStarted:
           think(true);
           break;
-        case "message.delta": {
+        case EV.MessageDelta: {
           // transient: appended only where it continues the text (offset, in code points);
           // the committed message.completed replaces it, and later deltas of it are ignored
           if (completed.has(d.item_id)) break;
@@ -215,7 +218,7 @@
           }
           break;
         }
-        case "message.completed": {
+        case EV.MessageCompleted: {
           completed.add(d.item_id);
           partial.delete(d.item_id);
           const node = nodes.get(d.item_id);
@@ -226,24 +229,24 @@
           else nodes.set(d.item_id, add(el("div", "keel-msg keel-assistant", d.text), ev.id));
           break;
         }
-        case "tool.started": {
+        case EV.ToolStarted: {
           const args = Object.entries(d.arguments || {}).map(([k, v]) => k + "=" + JSON.stringify(v));
           const node = add(el("div", "keel-tool", "⚙ " + d.tool + "(" + args.join(", ") + ") …"), ev.id);
           nodes.set(d.call_id, node);
           break;
         }
-        case "tool.completed": {
+        case EV.ToolCompleted: {
           const text = "⚙ " + d.tool + " → " + d.result;
           const node = nodes.get(d.call_id);
           if (node) node.textContent = text;
           else add(el("div", "keel-tool", text), ev.id);
           break;
         }
-        case "input.requested":
+        case EV.InputRequested:
           think(false);
           for (const r of d.requests || []) approval(r, ev.id);
           break;
-        case "input.resolved": {
+        case EV.InputResolved: {
           const card = nodes.get(d.request_id);
           if (card) {
             card.querySelectorAll("button").forEach((b) => b.remove());
@@ -253,20 +256,20 @@
           }
           break;
         }
-        case "turn.completed":
-        case "turn.cancelled":
+        case EV.TurnCompleted:
+        case EV.TurnCancelled:
           think(false);
           dropPartial();
           break;
-        case "turn.failed":
+        case EV.TurnFailed:
           think(false);
           dropPartial();
           add(el("div", "keel-error", (d.error && d.error.message) || "the turn failed"), ev.id);
           break;
-        case "compaction.completed":
+        case EV.CompactionCompleted:
           add(el("div", "keel-note", "earlier conversation summarized"), ev.id);
           break;
-        case "context.cleared":
+        case EV.ContextCleared:
           add(el("div", "keel-note", "conversation cleared"), ev.id);
           break;
       }

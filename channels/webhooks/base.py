@@ -3,7 +3,7 @@
 - `verify(body, headers)`: the provider's signature on the raw body, checked before anything
   is parsed (a request that fails it gets 401 and changes nothing);
 - `interpret(route, body, headers)`: what a verified request asks of keel, as calls (`Submit`,
-  `Answer`, `Cancel`) or an immediate reply (a URL challenge);
+  `Decide`, `Cancel`) or an immediate reply (a URL challenge);
 - `rejected(call, error)`: what to tell the person whose call keel refused (optional, made
   after the ack: a Slack ephemeral "already answered");
 - `destination`: the outbound side, a `harness.relay.Destination` that renders committed events
@@ -51,7 +51,7 @@ class Submit:
 
 
 @dataclass(frozen=True)
-class Answer:
+class Decide:
     """A person's decision on an approval request (`request_id` None: the first one the
     session waits for; if it waits for none, `otherwise` is sent instead, if given)."""
 
@@ -79,7 +79,7 @@ class Later:
     run: Callable[[], Awaitable[None]]
 
 
-Call = Submit | Answer | Cancel | Later
+Call = Submit | Decide | Cancel | Later
 
 
 class WebhookChannel(Protocol):
@@ -142,9 +142,9 @@ def endpoint(channel: WebhookChannel, route: str) -> Callable[[Request], Awaitab
     return handle
 
 
-async def perform(harness: Harness, destination: str, call: Submit | Answer | Cancel) -> None:
+async def perform(harness: Harness, destination: str, call: Submit | Decide | Cancel) -> None:
     if isinstance(call, Submit):
-        await harness.submit(
+        await harness.sessions.submit(
             call.session_id,
             call.owner,
             call.text,
@@ -154,20 +154,20 @@ async def perform(harness: Harness, destination: str, call: Submit | Answer | Ca
             create=dict(call.create) if call.create is not None else None,
             deliver_to=destination,
         )
-    elif isinstance(call, Answer):
+    elif isinstance(call, Decide):
         request_id = call.request_id
         if request_id is None:
-            waiting = await harness.pending(call.session_id, call.owner)
+            waiting = await harness.sessions.pending(call.session_id, call.owner)
             if not waiting:
                 if call.otherwise is not None:
                     await perform(harness, destination, call.otherwise)
                 return
             request_id = waiting[0]
-        await harness.respond(
+        await harness.sessions.respond(
             call.session_id, call.owner, request_id, call.decision, by=call.by, deliver_to=destination
         )
     else:
-        await harness.cancel(call.session_id, call.owner, call.turn_id, deliver_to=destination, once=call.once)
+        await harness.sessions.cancel(call.session_id, call.owner, call.turn_id, deliver_to=destination, once=call.once)
 
 
 def _after(later: list[Later]) -> BackgroundTask:

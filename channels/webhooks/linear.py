@@ -27,7 +27,7 @@ from typing import Any
 from starlette.datastructures import Headers
 from starlette.responses import Response
 
-from channels.webhooks.base import Answer, Call, Cancel, Later, Submit, conversation_session
+from channels.webhooks.base import Call, Cancel, Decide, Later, Submit, conversation_session
 from channels.webhooks.linear_out import LinearDestination
 from harness.errors import KeelError
 from harness.relay import Destination, Outbound
@@ -149,4 +149,4 @@ class LinearChannel:
             return [message]
         # a selection, or a prompt saying approve / deny: the open request's answer, if one
         # waits (otherwise it is a message like any other)
-        return [Answer(session_id=sid, owner=owner, request_id=None, decision=decision, by=user, otherwise=message)]
+        return [Decide(session_id=sid, owner=owner, request_id=None, decision=decision, by=user, otherwise=message)]

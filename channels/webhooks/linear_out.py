@@ -21,21 +21,23 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from harness.events import StoredEvent, decode_data
+from channels.webhooks.failures import UNREACHABLE, answered, not_now, unreachable
+from harness.events import (
+    InputRequested,
+    StoredEvent,
+    ToolCompleted,
+    ToolStarted,
+    TurnCancelled,
+    TurnCompleted,
+    TurnFailed,
+    TurnStarted,
+)
 from harness.relay import Outbound, Retry, RetryPolicy, Undeliverable
 
 _json = msgspec.json.Encoder()
 BODY_LIMIT = 10_000  # characters of an activity's body or result
 RENDERED = frozenset(
-    {
-        "turn.started",
-        "tool.started",
-        "tool.completed",
-        "input.requested",
-        "turn.completed",
-        "turn.failed",
-        "turn.cancelled",
-    }
+    c.TYPE for c in (TurnStarted, ToolStarted, ToolCompleted, InputRequested, TurnCompleted, TurnFailed, TurnCancelled)
 )
 CREATE = """mutation Create($input: AgentActivityCreateInput!) {
   agentActivityCreate(input: $input) { success agentActivity { id } }
@@ -80,30 +82,29 @@ class LinearDestination:
     def render(self, event: StoredEvent, where: Mapping[str, Any], refs: Mapping[str, str]) -> list[Outbound]:
         if event.type not in RENDERED or session_of(where) is None:
             return []
-        envelope = decode_data(event.raw)
-        data: dict[str, Any] = envelope["data"]
         ref = f"e:{event.id}"
-        kind = event.type
-        if kind == "turn.started":
-            return [_activity(ref, {"type": "thought", "body": "Working on it…"}, ephemeral=True)]
-        if kind == "tool.started":
-            parameter = _json.encode(data.get("arguments", {})).decode()
-            return [_activity(ref, {"type": "action", "action": data["tool"], "parameter": _cut(parameter)}, True)]
-        if kind == "tool.completed":
-            content = {"type": "action", "action": data["tool"], "parameter": "", "result": _cut(str(data["result"]))}
-            return [_activity(ref, content)]
-        if kind == "input.requested":
-            outs = []
-            for r in data.get("requests", []):
-                args = _json.encode(r.get("arguments", {})).decode()
-                body = f"May I run `{r['tool']}` with `{_cut(args)}`? Choose Approve or Deny (or reply approve / deny)."
-                outs.append(_activity(f"req:{r['request_id']}", {"type": "elicitation", "body": body}, select=True))
-            return outs
-        if kind == "turn.completed":
-            return [_activity(ref, {"type": "response", "body": _cut(str(data.get("reply") or "Done."))})]
-        if kind == "turn.failed":
-            error = data.get("error") or {}
-            return [_activity(ref, {"type": "error", "body": f"That failed: {error.get('message', 'unknown error')}"})]
+        match event.decoded():
+            case TurnStarted():
+                return [_activity(ref, {"type": "thought", "body": "Working on it…"}, ephemeral=True)]
+            case ToolStarted(data=data):
+                parameter = _json.encode(data.arguments).decode()
+                return [_activity(ref, {"type": "action", "action": data.tool, "parameter": _cut(parameter)}, True)]
+            case ToolCompleted(data=data):
+                content = {"type": "action", "action": data.tool, "parameter": "", "result": _cut(data.result)}
+                return [_activity(ref, content)]
+            case InputRequested(data=data):
+                outs = []
+                for r in data.requests:
+                    args = _json.encode(r.arguments).decode()
+                    body = (
+                        f"May I run `{r.tool}` with `{_cut(args)}`? Choose Approve or Deny (or reply approve / deny)."
+                    )
+                    outs.append(_activity(f"req:{r.request_id}", {"type": "elicitation", "body": body}, select=True))
+                return outs
+            case TurnCompleted(data=data):
+                return [_activity(ref, {"type": "response", "body": _cut(data.reply or "Done.")})]
+            case TurnFailed(data=data):
+                return [_activity(ref, {"type": "error", "body": f"That failed: {data.error.message}"})]
         return [_activity(ref, {"type": "response", "body": "Stopped."})]  # turn.cancelled
 
     def working(self, turn_id: str, where: Mapping[str, Any]) -> Outbound | None:
@@ -141,12 +142,11 @@ class LinearDestination:
             async with self.http.post(
                 self.api_url, json={"query": query, "variables": variables}, headers=headers
             ) as r:
-                if r.status == 429 or r.status >= 500:
-                    after = r.headers.get("Retry-After")
-                    raise Retry(f"Linear answered {r.status}", float(after) if after and after.isdigit() else None)
+                if not_now(r.status):  # (a refusal's reasons are in its GraphQL errors, below)
+                    raise answered("Linear", r.status, dict(r.headers))
                 body = await r.json(content_type=None)
-        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-            raise Retry(f"Linear unreachable: {type(exc).__name__}", None) from None
+        except UNREACHABLE as exc:
+            raise unreachable("Linear", exc) from None
         except ValueError:
             raise Retry("Linear answered something that is not JSON", None) from None
         errors = body.get("errors") if isinstance(body, dict) else None

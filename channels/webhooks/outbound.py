@@ -7,8 +7,9 @@ The body is the event's envelope, byte for byte what SSE sends. Standard Webhook
 `webhook-id` = `<session_id>:<event id>` (unique across sessions, the same on every retry: the
 receiver's idempotency key), `webhook-timestamp`, `webhook-signature` (`v1,<base64 HMAC>`,
 signed with the `standardwebhooks` package). 2xx is delivered; 410 disables the subscription;
-anything else (3xx included: redirects are not followed), a timeout or a connection error is
-tried again with a backoff doubling from about 1 s up to 10 minutes (a `Retry-After` honoured)
+anything else (3xx and 4xx included: redirects are not followed), a timeout or a connection
+error is tried again with a backoff doubling from about 1 s up to 10 minutes (a `Retry-After`,
+in seconds or as a date, honoured)
 for `KEEL_WEBHOOK_RETRY_HOURS`, then dead-lettered. Connections go only to public addresses
 (`addresses.PublicResolver`) unless private targets are allowed."""
 
@@ -23,9 +24,11 @@ import msgspec
 from standardwebhooks import Webhook
 
 from channels.webhooks.addresses import PublicResolver
-from harness.events import StoredEvent, decode_data
-from harness.relay import Destination, Outbound, Retry, RetryPolicy, Undeliverable
-from harness.store import Subscription, Subscriptions
+from channels.webhooks.failures import UNREACHABLE, answered, unreachable
+from harness import Harness
+from harness.events import StoredEvent
+from harness.relay import Destination, Outbound, RetryPolicy, Undeliverable
+from harness.types import Subscription
 
 PREFIX = "wh:"
 
@@ -37,19 +40,19 @@ class WebhookDestination:
         self.hooks = hooks
         self.retry: RetryPolicy | None = hooks.policy
         self.signer = Webhook(sub.secret)
-        self.since = f"{int(sub.created_at * 1000)}-0"  # events committed from its creation on
+        self.since = sub.created_at  # (epoch seconds) events committed from its creation on
 
     def render(self, event: StoredEvent, where: Mapping[str, Any], refs: Mapping[str, str]) -> list[Outbound]:
         if self.sub.disabled or (event.type not in self.sub.events and "*" not in self.sub.events):
             return []
-        session_id = decode_data(event.raw)["session_id"]
+        session_id = event.decoded().session_id
         return [Outbound("post", f"e:{event.id}", {"id": f"{session_id}:{event.id}", "raw": event.raw.decode()})]
 
     def working(self, turn_id: str, where: Mapping[str, Any]) -> Outbound | None:
         return None
 
     async def send(self, out: Outbound, where: Mapping[str, Any], handle: str | None) -> str:
-        fresh = await self.hooks.subscriptions.get(self.sub.id)  # deleted or disabled meanwhile?
+        fresh = await self.hooks.webhooks.find(self.sub.id)  # deleted or disabled meanwhile?
         if fresh is None or fresh.disabled:
             self.sub = fresh or msgspec.structs.replace(self.sub, disabled="deleted")
         if self.sub.disabled:
@@ -67,18 +70,18 @@ class WebhookDestination:
         assert http is not None, "OutboundWebhooks.start() first"
         try:
             async with http.post(self.sub.url, data=raw.encode(), headers=headers, allow_redirects=False) as r:
-                status, after = r.status, r.headers.get("Retry-After")
-        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-            raise Retry(f"the receiver is unreachable: {type(exc).__name__}", None) from None
+                status, answer = r.status, dict(r.headers)
+        except UNREACHABLE as exc:
+            raise unreachable("the receiver", exc) from None
         if 200 <= status < 300:
             return msg_id
         if status == 410:
             why = "the receiver answered 410 Gone"
-            await self.hooks.subscriptions.disable(self.sub.id, why)
+            await self.hooks.webhooks.disable(self.sub.id, why)
             self.sub = msgspec.structs.replace(self.sub, disabled=why)  # (every session's delivery stops)
             self.hooks.forget(self.sub.id)
             raise Undeliverable("the receiver answered 410 Gone: the webhook is disabled")
-        raise Retry(f"the receiver answered {status}", float(after) if after and after.isdigit() else None)
+        raise answered("the receiver", status, answer, transient=True)  # (a 4xx may be a receiver's bug, fixed)
 
     async def find(self, refs: list[str], where: Mapping[str, Any], since: str) -> dict[str, str]:
         return {}  # at least once: a delivery in doubt is made again, with the same webhook-id
@@ -88,10 +91,8 @@ class OutboundWebhooks:
     """The subscriptions' relay destinations, made on demand (`resolve`), over one HTTP session
     that connects to public addresses only (unless `allow_private`)."""
 
-    def __init__(
-        self, subscriptions: Subscriptions, *, allow_private: bool, timeout: float, retry_hours: float
-    ) -> None:
-        self.subscriptions = subscriptions
+    def __init__(self, harness: Harness, *, allow_private: bool, timeout: float, retry_hours: float) -> None:
+        self.webhooks = harness.webhooks
         self.allow_private = allow_private
         self.timeout = timeout
         # a wait of more than a second gives the relay's slot back (resumed from a delayed job)
@@ -114,7 +115,7 @@ class OutboundWebhooks:
         deletion or a 410 elsewhere is seen.)"""
         if not name.startswith(PREFIX):
             return None
-        sub = await self.subscriptions.get(name[len(PREFIX) :])
+        sub = await self.webhooks.find(name[len(PREFIX) :])
         if sub is None or sub.disabled:
             self._made.pop(name, None)
             return None

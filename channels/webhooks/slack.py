@@ -34,7 +34,7 @@ from slack_sdk.web.async_client import AsyncWebClient
 from starlette.datastructures import Headers
 from starlette.responses import JSONResponse, Response
 
-from channels.webhooks.base import Answer, Call, Later, Submit, conversation_session
+from channels.webhooks.base import Call, Decide, Later, Submit, conversation_session
 from channels.webhooks.slack_out import SlackDestination
 from harness.errors import Conflict, KeelError
 from harness.relay import Destination
@@ -112,7 +112,7 @@ class SlackChannel:
         return self._action(_object(json.loads(payload[0])))
 
     def rejected(self, call: Call, error: KeelError) -> Later | None:
-        if isinstance(call, Answer) and isinstance(error, Conflict):
+        if isinstance(call, Decide) and isinstance(error, Conflict):
             decided = (error.details or {}).get("decision", "")
             return self._note(call, f"This request was already answered: {decided}.")
         log.info("slack: %s refused: %s", type(call).__name__, error.code)
@@ -191,7 +191,7 @@ class SlackChannel:
         sid, rid, author = value.get("s"), value.get("r"), value.get("a")
         if not isinstance(sid, str) or not isinstance(rid, str):
             raise ValueError("the button's value names no request")
-        answer = Answer(
+        answer = Decide(
             session_id=sid, owner=f"slack:{team}", request_id=rid, decision=decision, by=user, origin=payload
         )
         if user != author and user not in self.config.approvers:
@@ -199,7 +199,7 @@ class SlackChannel:
             return [self._note(answer, f"Only {who} can decide on this request.")]
         return [answer]
 
-    def _note(self, call: Answer, text: str) -> Later:
+    def _note(self, call: Decide, text: str) -> Later:
         """An ephemeral message to the user who clicked, in the thread of the button."""
         payload = call.origin or {}
         channel = (payload.get("channel") or {}).get("id") or (payload.get("container") or {}).get("channel_id")

@@ -16,19 +16,30 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import aiohttp
 import msgspec
 from slack_sdk.errors import SlackApiError
 from slack_sdk.web.async_client import AsyncWebClient
 
-from harness.events import StoredEvent, decode_data
-from harness.relay import Outbound, Retry, RetryPolicy, Undeliverable
+from channels.webhooks.failures import UNREACHABLE, answered, unreachable
+from harness.events import (
+    InputRequested,
+    InputResolved,
+    MessageCompleted,
+    StoredEvent,
+    TurnCancelled,
+    TurnCompleted,
+    TurnFailed,
+)
+from harness.relay import Outbound, RetryPolicy, Undeliverable
 
 POST_TYPE = "keel_post"
 TEXT_LIMIT = 3_900  # characters of one post; a longer reply goes out as several
 # ok:false errors that say "not now" rather than "never"
 TRANSIENT = frozenset({"ratelimited", "internal_error", "fatal_error", "service_unavailable", "request_timeout"})
 MAX_PAGES = 50  # conversations.replies pages a reconcile reads at most
+RENDERED = frozenset(
+    c.TYPE for c in (MessageCompleted, InputRequested, InputResolved, TurnFailed, TurnCancelled, TurnCompleted)
+)
 _json = msgspec.json.Encoder()
 
 DECIDED = {"approve": "Approved", "deny": "Denied", "withdrawn": "Withdrawn (the turn was cancelled)"}
@@ -88,48 +99,37 @@ class SlackDestination:
     # ---- rendering ----------------------------------------------------------------------
 
     def render(self, event: StoredEvent, where: Mapping[str, Any], refs: Mapping[str, str]) -> list[Outbound]:
-        if thread_of(where) is None:
+        if event.type not in RENDERED or thread_of(where) is None:
             return []
-        kind = event.type
-        if kind not in (
-            "message.completed",
-            "input.requested",
-            "input.resolved",
-            "turn.failed",
-            "turn.cancelled",
-            "turn.completed",
-        ):
-            return []
-        envelope = decode_data(event.raw)
-        data: dict[str, Any] = envelope["data"]
-        wait = f"wait:{envelope.get('turn_id')}"
-        if kind == "message.completed":
-            return self._reply(event.id, str(data.get("text") or ""), wait, refs)
-        if kind == "input.requested":
-            outs = self._settle(wait, refs, "_Waiting for approval._")
-            for r in data.get("requests", []):
-                rid = str(r["request_id"])
-                args = _json.encode(r.get("arguments", {})).decode()
-                if len(args) > 2_000:
-                    args = args[:2_000] + "…"
-                text = f"keel wants to run `{r['tool']}` with `{args}`. Approve?"
-                value = approve_value(str(envelope["session_id"]), rid, str(data.get("author", "")))
-                body = {"text": text, "blocks": approval_blocks(text, value, rid)}
-                outs.append(Outbound("post", f"req:{rid}", body, keep=True))
-            return outs
-        if kind == "input.resolved":
-            rid = str(data.get("request_id"))
-            decided = DECIDED.get(str(data.get("decision")), str(data.get("decision")))
-            by = f" by <@{data['by']}>" if data.get("by") else ""
-            text = f"{decided}{by}: request `{rid}`."
-            body = {"text": text, "blocks": [{"type": "section", "text": {"type": "mrkdwn", "text": text}}]}
-            return [Outbound("update", f"req:{rid}", body), Outbound("forget", f"req:{rid}")]
-        if kind == "turn.failed":
-            error = data.get("error") or {}
-            text = f"Sorry, that failed: {error.get('message', 'unknown error')}"
-            return self._reply(event.id, text, wait, refs)
-        if kind == "turn.cancelled":
-            return self._reply(event.id, "_Stopped._", wait, refs)
+        decoded = event.decoded()
+        wait = f"wait:{decoded.turn_id}"
+        match decoded:
+            case MessageCompleted(data=data):
+                return self._reply(event.id, data.text, wait, refs)
+            case InputRequested(data=data):
+                outs = self._settle(wait, refs, "_Waiting for approval._")
+                for r in data.requests:
+                    args = _json.encode(r.arguments).decode()
+                    if len(args) > 2_000:
+                        args = args[:2_000] + "…"
+                    text = f"keel wants to run `{r.tool}` with `{args}`. Approve?"
+                    value = approve_value(decoded.session_id, r.request_id, data.author)
+                    body = {"text": text, "blocks": approval_blocks(text, value, r.request_id)}
+                    outs.append(Outbound("post", f"req:{r.request_id}", body, keep=True))
+                return outs
+            case InputResolved(data=data):
+                decided = DECIDED.get(data.decision, data.decision)
+                by = f" by <@{data.by}>" if data.by else ""
+                text = f"{decided}{by}: request `{data.request_id}`."
+                body = {"text": text, "blocks": [{"type": "section", "text": {"type": "mrkdwn", "text": text}}]}
+                return [
+                    Outbound("update", f"req:{data.request_id}", body),
+                    Outbound("forget", f"req:{data.request_id}"),
+                ]
+            case TurnFailed(data=data):
+                return self._reply(event.id, f"Sorry, that failed: {data.error.message}", wait, refs)
+            case TurnCancelled():
+                return self._reply(event.id, "_Stopped._", wait, refs)
         return self._settle(wait, refs, "_(no reply)_")  # turn.completed with a working post left
 
     def _reply(self, event_id: str, text: str, wait: str, refs: Mapping[str, str]) -> list[Outbound]:
@@ -227,25 +227,15 @@ class SlackDestination:
         try:
             return await method(**kwargs)
         except SlackApiError as exc:
-            status = exc.response.status_code
             error = str(exc.response.get("error", "")) if isinstance(exc.response.data, dict) else ""
-            if status == 429:
-                after = exc.response.headers.get("Retry-After") or exc.response.headers.get("retry-after")
-                raise Retry("rate limited (429)", _seconds(after)) from None
-            if status >= 500 or error in TRANSIENT:
-                raise Retry(f"Slack answered {status} {error}".strip(), None) from None
-            raise Undeliverable(f"Slack refused: {error or status}") from None
-        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-            raise Retry(f"Slack unreachable: {type(exc).__name__}", None) from None
+            headers = {str(k): str(v) for k, v in (exc.response.headers or {}).items()}
+            raise answered(
+                "Slack", exc.response.status_code, headers, transient=error in TRANSIENT, error=error
+            ) from None
+        except UNREACHABLE as exc:
+            raise unreachable("Slack", exc) from None
 
 
 def _metadata(ref: str) -> dict[str, Any]:
     """What a post carries so a reconcile can tell it was made: its ref."""
     return {"event_type": POST_TYPE, "event_payload": {"ref": ref}}
-
-
-def _seconds(value: Any) -> float:
-    try:
-        return max(float(value), 0.0)
-    except (TypeError, ValueError):
-        return 1.0

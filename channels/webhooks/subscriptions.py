@@ -5,9 +5,6 @@ visible only to the API key that made it (any other gets 404). Deliveries: `outb
 
 from __future__ import annotations
 
-import base64
-import os
-
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
@@ -15,31 +12,11 @@ from starlette.responses import Response
 from channels.answers import Failure, FailureList, Retried, Webhook, WebhookCreated, WebhookList
 from channels.errors import ChannelError
 from channels.http import decode, harness_of, json_response, owner_of, read_body
-from channels.spec import Answer, operation
+from channels.spec import Returns, operation
 from channels.webhooks.addresses import Refused, check_host, check_url
-from harness.ids import new_id
-from harness.store import DeadLetter, Subscription, new_subscription
+from harness.events import TYPES as EVENT_TYPES
+from harness.types import DeadLetter, Subscription
 
-EVENT_TYPES = frozenset(
-    {
-        "session.created",
-        "message.received",
-        "turn.started",
-        "message.completed",
-        "tool.started",
-        "tool.completed",
-        "input.requested",
-        "input.resolved",
-        "usage.recorded",
-        "compaction.requested",
-        "compaction.completed",
-        "context.cleared",
-        "turn.completed",
-        "turn.failed",
-        "turn.cancelled",
-        "session.waiting",
-    }
-)
 MAX_PER_KEY = 20
 MAX_DESCRIPTION = 500
 
@@ -62,7 +39,7 @@ NOT_FOUND = {404: "`webhook_not_found`: no such webhook, or another key's"}
 
 @operation(
     "Subscribe a URL to the key's events",
-    Answer(
+    Returns(
         201,
         WebhookCreated,
         "The subscription, with its signing secret (shown only here)",
@@ -90,43 +67,36 @@ async def create(request: Request) -> Response:
         await check_host(host, port, allow_private=allow_private)
     except Refused as exc:
         raise ChannelError(400, "invalid_url", str(exc)) from None
-    harness, owner = harness_of(request), owner_of(request)
-    if await harness.hooks.count(owner) >= MAX_PER_KEY:
+    webhooks, owner = harness_of(request).webhooks, owner_of(request)
+    if await webhooks.count(owner) >= MAX_PER_KEY:
         raise ChannelError(409, "too_many_webhooks", f"an API key has at most {MAX_PER_KEY} webhooks")
-    secret = "whsec_" + base64.b64encode(os.urandom(32)).decode()
-    sub = new_subscription(
-        new_id("wh"), owner, url=body.url, events=events, secret=secret, description=body.description
-    )
-    await harness.hooks.add(sub)
-    harness.forget_hooks(owner)
+    sub = await webhooks.subscribe(owner, url=body.url, events=events, description=body.description)
     created = WebhookCreated(sub.id, sub.url, sub.events, sub.description, sub.created_at, None, sub.secret)
     return json_response(created, 201)
 
 
-@operation("The key's webhooks", Answer(200, WebhookList, "Every subscription of the key"), tag="webhooks")
+@operation("The key's webhooks", Returns(200, WebhookList, "Every subscription of the key"), tag="webhooks")
 async def listing(request: Request) -> Response:
-    subs = await harness_of(request).hooks.of(owner_of(request))
+    subs = await harness_of(request).webhooks.of(owner_of(request))
     return json_response(WebhookList([view(s) for s in subs]))
 
 
 async def _mine(request: Request) -> Subscription:
-    sub = await harness_of(request).hooks.get(request.path_params["wid"][:64])
-    if sub is None or sub.owner != owner_of(request):
+    sub = await harness_of(request).webhooks.get(owner_of(request), request.path_params["wid"][:64])
+    if sub is None:
         raise ChannelError(404, "webhook_not_found", "no such webhook")
     return sub
 
 
-@operation("A webhook", Answer(200, Webhook, "The subscription"), errors=NOT_FOUND, tag="webhooks")
+@operation("A webhook", Returns(200, Webhook, "The subscription"), errors=NOT_FOUND, tag="webhooks")
 async def show(request: Request) -> Response:
     return json_response(view(await _mine(request)))
 
 
-@operation("Delete a webhook", Answer(204, None, "Deleted"), errors=NOT_FOUND, tag="webhooks")
+@operation("Delete a webhook", Returns(204, None, "Deleted"), errors=NOT_FOUND, tag="webhooks")
 async def delete(request: Request) -> Response:
     sub = await _mine(request)
-    harness = harness_of(request)
-    await harness.hooks.remove(sub.owner, sub.id)
-    harness.forget_hooks(sub.owner)
+    await harness_of(request).webhooks.remove(sub.owner, sub.id)
     return Response(status_code=204)
 
 
@@ -136,19 +106,19 @@ def _failure(d: DeadLetter) -> Failure:
 
 @operation(
     "A webhook's failed deliveries (dead letters)",
-    Answer(200, FailureList, "Events it gave up on"),
+    Returns(200, FailureList, "Events it gave up on"),
     errors=NOT_FOUND,
     tag="webhooks",
 )
 async def failures(request: Request) -> Response:
     sub = await _mine(request)
-    letters = await harness_of(request).dead_letters(sub.destination)
+    letters = await harness_of(request).webhooks.dead_letters(sub.destination)
     return json_response(FailureList([_failure(d) for d in letters]))
 
 
 @operation(
     "Deliver a webhook's failures again",
-    Answer(202, Retried, "How many are queued again"),
+    Returns(202, Retried, "How many are queued again"),
     errors={**NOT_FOUND, 409: "`webhook_disabled`"},
     tag="webhooks",
 )
@@ -156,6 +126,5 @@ async def retry(request: Request) -> Response:
     sub = await _mine(request)
     if sub.disabled:
         raise ChannelError(409, "webhook_disabled", f"the webhook is disabled ({sub.disabled}): make a new one")
-    harness = harness_of(request)
-    n = await harness.retry_dead_letters(sub.destination)
+    n = await harness_of(request).webhooks.retry_dead_letters(sub.destination)
     return json_response(Retried(n), 202)

@@ -24,14 +24,16 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from support import Deadline, start_valkey, stop_process  # the sibling module: this file runs as a script
 
 from app import build_harness
 from app.settings import Settings
-from harness import Agent, tool
-from harness.loop.compaction import Compaction
+from harness import Agent, Compaction, tool
+from harness.events import CompactionCompleted, UsageRecorded
 from harness.models import CachingScriptedModel, Item, ModelReply, ModelRequest, ToolCall
 from harness.models.tokens import estimate_tokens
 from harness.types import PageContext
@@ -76,7 +78,7 @@ async def keel_session(url: str, turns: int, *, features: bool, window: int | No
     h = build_harness(Settings(), url, agent)
     await h.start()
     try:
-        sid = await h.create_session("bench")
+        sid = await h.sessions.create("bench")
         times: list[float] = []
         usage: list[list[dict[str, Any]]] = []
         compactions = 0
@@ -85,12 +87,12 @@ async def keel_session(url: str, turns: int, *, features: bool, window: int | No
             text = f"question {n}" + (" look" if n % 3 == 0 else "")
             context: PageContext = {"page": f"/products/{n} selection={n * 7}"} if features else None
             t0 = time.perf_counter()
-            turn = await h.wait_turn(await h.submit(sid, "bench", text, context), 30)
+            turn = await h.sessions.wait_turn(await h.sessions.submit(sid, "bench", text, context), 30)
             times.append(time.perf_counter() - t0)
             if turn.status != "completed":
                 raise RuntimeError(f"turn {n}: {turn.status}")
-            usage.append([e["data"] for e in turn.events if e["type"] == "usage.recorded"])
-            compactions += sum(1 for e in turn.events if e["type"] == "compaction.completed")
+            usage.append([msgspec.to_builtins(u.data) for e in turn.events if (u := e.of(UsageRecorded)) is not None])
+            compactions += sum(1 for e in turn.events if e.type == CompactionCompleted.TYPE)
     finally:
         await h.stop()
     calls = [u for t in usage[1:] for u in t if u.get("purpose", "turn") == "turn"]

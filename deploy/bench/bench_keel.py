@@ -66,20 +66,20 @@ async def setup(args: Any) -> Any:
 
 
 async def make_session(ctx: Any, sid: str) -> str:
-    session: str = await ctx.harness.create_session("bench")
+    session: str = await ctx.harness.sessions.create("bench")
     return session
 
 
 async def turn(ctx: Any, s: str, i: int) -> None:
-    res = await ctx.harness.submit_and_wait(s, "bench", "hello", context=None, message_id=None, timeout=30)
+    res = await ctx.harness.sessions.submit_and_wait(s, "bench", "hello", context=None, message_id=None, timeout=30)
     assert res.status == "completed" and res.reply == "hi there", res
 
 
 async def verify(ctx: Any, s: str, sessions: list[str]) -> dict[str, Any]:
     redis: Redis = ctx.redis
     return {
-        "check_seq_items": len(await ctx.harness.history(s, "bench")),
-        "check_conc_items": len(await ctx.harness.history(sessions[0], "bench")),
+        "check_seq_items": len(await ctx.harness.sessions.history(s, "bench")),
+        "check_conc_items": len(await ctx.harness.sessions.history(sessions[0], "bench")),
         "check_jobs_left": await redis.xlen("keel:{jobs}:stream"),
     }
 

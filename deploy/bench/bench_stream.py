@@ -79,6 +79,8 @@ from support import (  # the sibling module: this file runs as a script
 )
 from websockets.asyncio.client import ClientConnection, connect
 
+from harness.events import OUTCOMES, MessageCompleted, MessageDelta, SessionCreated, TurnCompleted
+
 DELTAS = 100  # text_delta events per reply
 DELTA_CHARS = 40  # characters per delta: 19-digit stamp, space, 3-digit index, space, padding
 TOKENS = 1_000  # output tokens the provider reports
@@ -242,7 +244,7 @@ keel_delta_dec = msgspec.json.Decoder(KeelDelta)
 completed_dec = msgspec.json.Decoder(Completed)
 bare_delta_dec = msgspec.json.Decoder(BareDelta)
 created_dec = msgspec.json.Decoder(Created)
-KEEL_END = {"turn.completed", "turn.failed", "turn.cancelled", "input.requested"}
+KEEL_END = set(OUTCOMES)  # a turn's last event
 
 
 @dataclass
@@ -339,7 +341,7 @@ async def keel_sse_turn(port: int, api: Conn) -> Frames:
     sse, writer = await SseReader.open(port, f"/v1/sessions/{sid}/events")
     out = Frames()
     try:
-        while (await sse.next())[1] != "session.created":  # the reader is in place
+        while (await sse.next())[1] != SessionCreated.TYPE:  # the reader is in place
             pass
         await keel_post(api, sid)
         while True:
@@ -356,7 +358,7 @@ async def keel_ws_turn(port: int, api: Conn) -> Frames:
     ws = await ws_connect(port, f"/v1/sessions/{sid}/ws")
     out = Frames()
     try:
-        while head_dec.decode(ws_text(await ws.recv(decode=False))).type != "session.created":
+        while head_dec.decode(ws_text(await ws.recv(decode=False))).type != SessionCreated.TYPE:
             pass
         await keel_post(api, sid)
         while True:
@@ -421,11 +423,11 @@ class Tally:
 
 def keel_deltas(frames: Frames, tally: Tally) -> list[tuple[int, str]]:
     """The deltas of a keel turn, checked: one item, contiguous offsets, the completed text."""
-    deltas = [(t, keel_delta_dec.decode(raw).data) for t, kind, raw in frames.got if kind == "message.delta"]
-    if frames.got and frames.got[-1][1] != "turn.completed":
+    deltas = [(t, keel_delta_dec.decode(raw).data) for t, kind, raw in frames.got if kind == MessageDelta.TYPE]
+    if frames.got and frames.got[-1][1] != TurnCompleted.TYPE:
         tally.problem(f"the turn ended with {frames.got[-1][1]}: {frames.got[-1][2][:300]!r}")
     items = {d.item_id for _, d in deltas}
-    completed = [completed_dec.decode(raw).data for _, kind, raw in frames.got if kind == "message.completed"]
+    completed = [completed_dec.decode(raw).data for _, kind, raw in frames.got if kind == MessageCompleted.TYPE]
     text = {c.item_id: c.text for c in completed}
     if len(items) != 1:
         tally.problem(f"deltas of {len(items)} items in one turn")

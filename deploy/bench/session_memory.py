@@ -83,7 +83,7 @@ async def run(h: Harness, sids: list[str], turns: int, deadline: Deadline) -> No
 
     async def one(sid: str) -> None:
         for n in range(1, turns + 1):
-            res = await h.submit_and_wait(
+            res = await h.sessions.submit_and_wait(
                 sid, OWNER, TEXT.format(n=n), context=None, message_id=None, timeout=deadline.left(60)
             )
             if res.status != "completed":
@@ -97,13 +97,13 @@ async def phase(h: Harness, name: str, sessions: int, turns: int, deadline: Dead
     redis = h.redis
     # First as many sessions side by side, deleted after: the connections, buffers and script
     # cache that much concurrency needs are in place before the count begins.
-    warm = [await h.create_session(OWNER) for _ in range(sessions)]
+    warm = [await h.sessions.create(OWNER) for _ in range(sessions)]
     await run(h, warm, 2, deadline)
     for sid in warm:
-        await h.delete(sid, OWNER)
+        await h.sessions.delete(sid, OWNER)
     before = await used_memory(redis, deadline)
     began = time.perf_counter()
-    sids = [await h.create_session(OWNER) for _ in range(sessions)]
+    sids = [await h.sessions.create(OWNER) for _ in range(sessions)]
     await run(h, sids, turns, deadline)
     elapsed = time.perf_counter() - began
     after = await used_memory(redis, deadline)
@@ -122,7 +122,7 @@ async def phase(h: Harness, name: str, sessions: int, turns: int, deadline: Dead
         "by_key": {k: statistics.fmean(v) for k, v in sorted(by_key.items(), key=lambda kv: -sum(kv[1]))},
         "events": int(await redis.xlen(f"keel:{{{first}}}:outbox")),
         "items": int(await redis.llen(f"keel:{{{first}}}:history")),
-        "active": len(await h.history(first, OWNER)),  # (after its last compaction)
+        "active": len(await h.sessions.history(first, OWNER)),  # (after its last compaction)
         "seconds": elapsed,
     }
 

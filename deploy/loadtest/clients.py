@@ -28,6 +28,7 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake
 
 from deploy.bench.support import HOST, BenchError, Conn
+from harness.events import SessionCreated, TurnCompleted
 from harness.store.keys import SessionKeys
 
 TURN_TIMEOUT_S = 30.0
@@ -108,9 +109,9 @@ class Client:
                 self.stats.error(f"{self.name}: error frame {raw[:200]!r}")
             return
         self.seen.append(event.id)
-        if event.type == "session.created":
+        if event.type == SessionCreated.TYPE:
             self.created.set()
-        elif event.type == "turn.completed" and event.data is not None and event.data.message_id:
+        elif event.type == TurnCompleted.TYPE and event.data is not None and event.data.message_id:
             waiter = self._waiting.pop(event.data.message_id, None)
             if waiter is not None and not waiter.done():
                 waiter.set_result(time.perf_counter())
@@ -282,7 +283,7 @@ async def check(clients: list[Client], redis: Any) -> Checked:
             out.problems.append(f"{c.name}: {len(extra)} events not in the outbox")
         completed: dict[str, int] = {}
         for _, fields in raw:
-            if fields[b"t"] == b"turn.completed":
+            if fields[b"t"] == TurnCompleted.TYPE.encode():
                 data = decode_stored(b"{" + fields[b"b"]).data
                 mid = data.message_id if data is not None else None
                 completed[mid or ""] = completed.get(mid or "", 0) + 1

@@ -27,6 +27,7 @@ from typing import NamedTuple
 
 import msgspec
 
+from harness.events import CompactionCompletedData, ErrorInfo
 from harness.loop.runtime import newest_snapshot
 from harness.models.base import Model, ModelRequest, complete
 from harness.models.tokens import estimate_tokens, item_tokens, items_tokens, request_tokens
@@ -140,8 +141,21 @@ def summary_body(summary: Item) -> str:
 
 
 class Compacted(NamedTuple):
-    history: list[Item] | None  # the new active history before the current turn; None: unchanged
-    data: dict[str, object]  # for compaction.completed
+    """A compaction's result: the new active history before the current turn (None: unchanged),
+    and what its compaction.completed says (a count left None is not said)."""
+
+    history: list[Item] | None
+    trimmed: int | None = None
+    summarized: int | None = None
+    tokens_after: int | None = None
+    tokens_saved: int | None = None
+    error: ErrorInfo | None = None
+
+    def event(self, reason: str, tokens_before: int | None = None) -> CompactionCompletedData:
+        """Its compaction.completed (`reason`: why it ran; `tokens_before`: the prompt's size then)."""
+        return CompactionCompletedData(
+            reason, tokens_before, self.trimmed, self.summarized, self.tokens_after, self.tokens_saved, self.error
+        )
 
 
 class Compactor:
@@ -160,15 +174,14 @@ class Compactor:
         saved -= items_tokens(short.values())
         if not short or self.config.due(tokens - saved, window):
             return None
-        data: dict[str, object] = {"trimmed": len(short), "summarized": 0, "tokens_after": tokens - saved}
-        return Compacted([short.get(i.id, i) for i in history], data)
+        return Compacted([short.get(i.id, i) for i in history], len(short), 0, tokens_after=tokens - saved)
 
     async def summarized(self, history: list[Item], step: int) -> Compacted:
         """Step 2: older turns replaced by a summary (history None if there was nothing older,
-        or the summarizer failed; `data` says which)."""
+        or the summarizer failed: its counts or `error` say which)."""
         parts = split(history, self.config.keep_turns)
         if not parts.older:
-            return Compacted(None, {"trimmed": 0, "summarized": 0})
+            return Compacted(None, 0, 0)
         messages: list[Item] = []
         if parts.previous is not None:  # separately, and never cut
             messages.append(_note("cmp_previous", PREVIOUS_HEADER, summary_body(parts.previous)))
@@ -190,11 +203,11 @@ class Compactor:
         except Exception as exc:
             log.warning("session %s: compaction model failed: %s", self.sid, type(exc).__name__)
             await self.store.record_usage(self.sid, self.turn_id, step, Usage(), failed=True, purpose="compaction")
-            return Compacted(None, {"error": {"code": "model_error", "message": f"{type(exc).__name__}: {exc}"}})
+            return Compacted(None, error=ErrorInfo("model_error", f"{type(exc).__name__}: {exc}"))
         usage = reply.usage or Usage(input_tokens=request_tokens(request), output_tokens=estimate_tokens(reply.text))
         await self.store.record_usage(self.sid, self.turn_id, step, usage, purpose="compaction")
         if not reply.text.strip():
-            return Compacted(None, {"error": {"code": "empty_summary", "message": "the summary was empty"}})
+            return Compacted(None, error=ErrorInfo("empty_summary", "the summary was empty"))
         summary = Item(
             id=f"it_{self.turn_id}_s{step}",
             role="user",
@@ -211,7 +224,7 @@ class Compactor:
             rebuilt.append(snapshot)
         rebuilt.extend(parts.recent)
         saved = items_tokens(history) - items_tokens(rebuilt)
-        return Compacted(rebuilt, {"trimmed": 0, "summarized": len(parts.older), "tokens_saved": saved})
+        return Compacted(rebuilt, 0, len(parts.older), tokens_saved=saved)
 
 
 def _note(item_id: str, header: str, body: str) -> Item:

@@ -1,4 +1,6 @@
-"""Page context (invariant I1): normalised at the edge of the harness, shown to the model,
+"""Page context (I1): shown to the model, never written to history.
+
+Page context (invariant I1): normalised at the edge of the harness, shown to the model,
 never written to history.
 
 A string or list applies to one turn: every model call of that turn sees it, later turns do

@@ -1,4 +1,6 @@
-"""Manual compact and clear (I8): queued in the inbox like messages, so they run after the turns
+"""Manual compact and clear (I8), run between turns as a message is.
+
+Manual compact and clear (I8): queued in the inbox like messages, so they run after the turns
 before them (including a turn waiting for approval) and before the ones after. Neither appends
 a user message.
 
@@ -11,35 +13,34 @@ a user message.
 
 from __future__ import annotations
 
-from typing import Any
-
 from harness import failpoints
-from harness.events import event_body
+from harness.events import ContextClearedData, SessionWaitingData, pending
 from harness.loop.agent import Agent
 from harness.loop.compaction import Compactor
-from harness.loop.outcomes import Final, Publish
-from harness.store import Begun, Store
+from harness.loop.outcomes import Final
+from harness.store import Begun, Ended, Store
 from harness.types import Item
 
 
-class OpRunner:
-    def __init__(self, store: Store, agent: Agent, sid: str, begun: Begun, publish: Publish) -> None:
+class Housekeeping:
+    """Runs a manual compact or clear a runner has begun."""
+
+    def __init__(self, store: Store, agent: Agent, sid: str, begun: Begun) -> None:
         self.store, self.agent, self.sid, self.begun = store, agent, sid, begun
         self.turn_id = begun.message.turn_id
-        self._publish = publish
 
     async def run(self) -> Final:
         history = self.begun.history
         rebase: list[Item] | None
         if self.begun.message.kind == "clear":
             rebase = []
-            events = [self._event("context.cleared", {"items": len(history)})]
+            events = [pending(self.turn_id, ContextClearedData(len(history)))]
         else:
             compactor = Compactor(self.store, self.agent.model, self.agent.compaction, self.sid, self.turn_id)
             done = await compactor.summarized(history, 0)
             rebase = done.history
-            events = [self._event("compaction.completed", {"reason": "manual", **done.data})]
-        events.append(self._event("session.waiting", {}))
+            events = [pending(self.turn_id, done.event("manual"))]
+        events.append(pending(self.turn_id, SessionWaitingData()))
         failpoints.reached("compaction.before_commit")
         committed = await self.store.commit(
             self.sid,
@@ -50,8 +51,4 @@ class OpRunner:
             mode="final",
             rebase=None if rebase is None else len(rebase),
         )
-        self._publish(self.sid, committed.events, True)
-        return Final(more=committed.more)
-
-    def _event(self, etype: str, data: dict[str, Any]) -> tuple[str, bytes]:
-        return etype, event_body(self.turn_id, data)
+        return Final(more=isinstance(committed, Ended) and committed.more)

@@ -1,10 +1,13 @@
-"""One model step's attempts: each counted before it is made (I5), its reply's text streamed out
+"""One model step's attempts: counted, streamed, retried, interrupted.
+
+One model step's attempts: each counted before it is made (I5), its reply's text streamed out
 as live `message.delta` events, a failed attempt recorded, and one that may succeed (a rate
 limit, an overloaded or unreachable provider, a cut or idle stream) tried again after an
 exponential backoff with jitter, or after the provider's `retry-after`, up to
 `Agent.model_retries` more times. The retries are keel's: provider clients are made with theirs
 off, so every attempt is counted and shown. A cancel of the turn (`interrupt`) closes the
-provider's stream or ends the backoff at once, and no further attempt is made. A drain of the
+provider's stream or ends the backoff at once, and no further attempt is made (the call listens
+for its turn's cancel on the store's hub, whichever process it was asked in). A drain of the
 process (`Calls.hand_over`) does the same without ending the turn: `HandedOver`."""
 
 from __future__ import annotations
@@ -12,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
 import time
 from collections.abc import Coroutine
 from typing import TypeVar
@@ -21,26 +23,15 @@ from harness import failpoints
 from harness.errors import ModelError
 from harness.events import delta
 from harness.loop.agent import Agent
-from harness.loop.outcomes import Live, Publish
 from harness.models.base import ModelReply, ModelRequest, TextDelta
+from harness.retry import backoff
 from harness.store import Store
 from harness.telemetry.metrics import HarnessStats
 from harness.types import Usage
 
 log = logging.getLogger("keel.model")
 T = TypeVar("T")
-BACKOFF_BASE_S = 0.5
-BACKOFF_MAX_S = 30.0
-RETRY_AFTER_MAX_S = 120.0
 LIVE_YIELD_S = 0.002  # during a burst of deltas, readers get the floor at least this often
-
-
-def backoff(retry: int, retry_after: float | None) -> float:
-    """Seconds before retry number `retry` (1, 2, ...): the provider's `retry-after` when it
-    gave one, else exponential with full jitter."""
-    if retry_after is not None:
-        return min(max(retry_after, 0.0), RETRY_AFTER_MAX_S)
-    return random.uniform(0, min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2 ** (retry - 1)))
 
 
 class Interrupted(Exception):
@@ -55,18 +46,12 @@ class HandedOver(Exception):
 
 
 class Calls:
-    """The model calls in progress in this process, one per session at most. A cancel of a turn
-    interrupts its call (`interrupt`); a drain stops every call, and every one that would start
-    after it, with HandedOver (`hand_over`)."""
+    """The model calls in progress in this process, one per session at most: a drain stops
+    every call, and every one that would start after it, with HandedOver (`hand_over`)."""
 
     def __init__(self) -> None:
         self.running: dict[str, ModelCall] = {}
         self.handing_over = False
-
-    def interrupt(self, sid: str, turn_id: str) -> None:
-        call = self.running.get(sid)
-        if call is not None and call.turn_id == turn_id:
-            call.interrupt()
 
     def hand_over(self) -> None:
         self.handing_over = True
@@ -88,15 +73,12 @@ class ModelCall:
         sid: str,
         turn_id: str,
         *,
-        publish: Publish,
-        live: Live | None,
         running: Calls | None = None,
         stats: HarnessStats | None = None,
     ) -> None:
         self.store, self.agent, self.sid, self.turn_id = store, agent, sid, turn_id
         self.stats = stats or HarnessStats()
-        self._publish = publish
-        self._live = live
+        self._hub = store.hub  # where its deltas go, and its turn's cancel comes from
         self._running = running if running is not None else Calls()  # the calls in progress here
         self._task: asyncio.Task[object] | None = None
         self._cuttable = False  # awaiting the provider or a backoff (the only awaits an interrupt may cut)
@@ -116,9 +98,13 @@ class ModelCall:
         self._cut()
 
     def _cut(self) -> None:
-        if self._cuttable and self._task is not None and not self._interrupted:
+        # (asked from within the call's own task, the model's code itself: it is not suspended
+        # in what could be cut, so nothing is; the flags stop it at the next attempt, and the
+        # step's commit finds the cancel)
+        task = self._task
+        if self._cuttable and task is not None and not self._interrupted and task is not asyncio.current_task():
             self._interrupted = True
-            self._task.cancel()
+            task.cancel()
 
     async def reply(self, request: ModelRequest, step: int, item_id: str, *, counted: bool) -> ModelReply:
         """The model's reply to `request`, whose text streams as deltas of `item_id` (a retry
@@ -129,7 +115,8 @@ class ModelCall:
         running[self.sid] = self
         self._leaving = self._running.handing_over
         try:
-            return await self._attempts(request, step, item_id, counted=counted)
+            with self._hub.cancellable(self.sid, self.turn_id, self.interrupt):
+                return await self._attempts(request, step, item_id, counted=counted)
         finally:
             if running.get(self.sid) is self:
                 del running[self.sid]
@@ -185,8 +172,7 @@ class ModelCall:
         return Interrupted() if self._asked else HandedOver()
 
     async def _record_failed(self, step: int) -> None:
-        failed = await self.store.record_usage(self.sid, self.turn_id, step, Usage(), failed=True)  # may be billed
-        self._publish(self.sid, [failed], False)
+        await self.store.record_usage(self.sid, self.turn_id, step, Usage(), failed=True)  # (it may be billed)
 
     def _uncancel(self) -> bool:
         """Take back the interrupt's cancellation; False if the task is being cancelled for
@@ -203,8 +189,8 @@ class ModelCall:
             async with contextlib.aclosing(self.agent.model.stream(request)) as events:  # closed when cut
                 async for event in events:
                     if isinstance(event, TextDelta):
-                        if event.text and self._live is not None:
-                            self._live.live(self.sid, delta(self.sid, self.turn_id, item_id, event.text, offset))
+                        if event.text:
+                            self._hub.live(self.sid, delta(self.sid, self.turn_id, item_id, event.text, offset))
                             failpoints.reached("model.mid_stream")
                             # A burst the provider sent at once is read from a buffer without a pause:
                             # let the readers send what came so far, at the first delta and then at
@@ -220,6 +206,6 @@ class ModelCall:
             self._cuttable = False  # (the flush below is not the provider's: it is not cut)
         if reply is None:
             raise ModelError("the model's stream ended without a reply", retryable=True)
-        if offset and self._live is not None:
-            await self._live.flush_live()  # readers elsewhere get the deltas before the commit
+        if offset:
+            await self._hub.flush_live()  # readers elsewhere get the deltas before the commit
         return reply

@@ -1,4 +1,6 @@
-"""Runtime-context snapshots (I6): volatile facts such as a git branch, the user's plan or
+"""Runtime-context snapshots (I6): volatile facts kept out of the cached prefix.
+
+Runtime-context snapshots (I6): volatile facts such as a git branch, the user's plan or
 today's date never enter the cached system prompt. Each turn reads the agent's providers once;
 the rendered snapshot is appended to history (beside the user message) only when it differs
 from the newest snapshot in the active context, so history stays append-only and the prefix

@@ -10,21 +10,44 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
 
 from harness import failpoints
 from harness.errors import CallbackError, ModelError, StaleLease
-from harness.events import event_body
+from harness.events import (
+    CompactionRequestedData,
+    Data,
+    ErrorInfo,
+    InputRequestedData,
+    MessageCompletedData,
+    Pending,
+    Requested,
+    ToolCompletedData,
+    ToolStartedData,
+    TurnCancelledData,
+    TurnCompletedData,
+    TurnFailedData,
+    pending,
+)
 from harness.ids import new_id
 from harness.loop.agent import Agent
 from harness.loop.compaction import Compactor, split
 from harness.loop.modelcall import Calls, Interrupted, ModelCall
-from harness.loop.outcomes import Cancel, Final, Live, Outcome, Paused, Publish, RunTools, StepOutcome
+from harness.loop.outcomes import EndCancelled, Final, Outcome, Paused, RunTools, StepOutcome
 from harness.loop.prompt import assemble, new_input, user_item
 from harness.loop.runtime import changed, newest_snapshot, snapshot_item
 from harness.models.base import ModelReply, ModelRequest
 from harness.models.tokens import request_tokens
-from harness.store import Begun, CommitMode, Committed, Store, UsageRecord
+from harness.store import (
+    AwaitingAnswers,
+    Begun,
+    CancelPending,
+    Commit,
+    CommitMode,
+    Ended,
+    Store,
+    UsageRecord,
+    Withheld,
+)
 from harness.telemetry.metrics import HarnessStats
 from harness.tools import ToolContext
 from harness.tools.calls import denial, needs_approval, request_id, result_item, run_call
@@ -33,7 +56,7 @@ from harness.types import Answer, ApprovalRequest, Item, ToolCall, Usage
 log = logging.getLogger("keel.turn")
 
 
-class TurnRunner:
+class Turn:
     """Runs the turn a runner has begun. Holds nothing between turns."""
 
     def __init__(
@@ -42,9 +65,7 @@ class TurnRunner:
         agent: Agent,
         sid: str,
         begun: Begun,
-        publish: Publish,
         *,
-        live: Live | None = None,
         calls: Calls | None = None,
         stats: HarnessStats | None = None,
     ) -> None:
@@ -65,8 +86,6 @@ class TurnRunner:
         self.tail: list[Item] = []  # a snapshot re-read mid-run, shown but not stored
         self._reread = False  # a step ran tools: read the runtime context again before the next call
         self.last_in, self.last_est = begun.last_in, begun.last_est
-        self._publish = publish
-        self._live = live
         self._calls = calls  # the model calls in progress in this process (a cancel, a drain stop them)
         self._compacted_for_length = False  # a "prompt too long" was answered with a compaction
         # requests of this turn with no answer: those BEGIN found, and any this run commits
@@ -87,7 +106,7 @@ class TurnRunner:
             match outcome:
                 case Final() | Paused():
                     return outcome
-                case Cancel():
+                case EndCancelled():
                     return await self.cancel()
                 case RunTools(item=item, announced=announced):
                     stopped = await self._run_tools(item, announced)
@@ -126,33 +145,24 @@ class TurnRunner:
             request = await self._request(step)
             if self.agent.context_window is not None:
                 compacted = await self._maybe_compact(request, step)
-                if isinstance(compacted, Cancel):
+                if isinstance(compacted, EndCancelled):
                     return compacted
                 request = compacted
         except CallbackError as exc:
             return await self.fail(exc.code, exc.message)
         estimate = request_tokens(request) if self.agent.context_window is not None else None
         item_id = new_id("it")
-        call = ModelCall(
-            self.store,
-            self.agent,
-            self.sid,
-            self.turn_id,
-            publish=self._publish,
-            live=self._live,
-            running=self._calls,
-            stats=self.stats,
-        )
+        call = ModelCall(self.store, self.agent, self.sid, self.turn_id, running=self._calls, stats=self.stats)
         counted, self.attempt_counted = self.attempt_counted, False
         try:
             reply = await call.reply(request, step, item_id, counted=counted)
         except Interrupted:
-            return Cancel()  # (cancelled during the call: the attempt counted, nothing of it stored)
+            return EndCancelled()  # (cancelled during the call: the attempt counted, nothing of it stored)
         except ModelError as exc:
             if exc.code == "model_context_length" and not self._compacted_for_length:
                 self._compacted_for_length = True  # once: compact, then this step again
                 compacted = await self._maybe_compact(request, step, forced=True)
-                if isinstance(compacted, Cancel):
+                if isinstance(compacted, EndCancelled):
                     return compacted
                 if compacted is not request:
                     return await self._model_step()
@@ -163,8 +173,7 @@ class TurnRunner:
         usage = reply.usage or Usage()
         record: UsageRecord | None = UsageRecord(step, usage, estimate)
         if failpoints.armed("step.before_commit"):
-            recorded = await self.store.record_usage(self.sid, self.turn_id, step, usage, estimate=estimate)
-            self._publish(self.sid, [recorded], False)
+            await self.store.record_usage(self.sid, self.turn_id, step, usage, estimate=estimate)
             record = None
         if estimate is not None:
             self.last_in, self.last_est = usage.input_tokens, estimate
@@ -193,7 +202,9 @@ class TurnRunner:
             newest = self.snapshot or newest_snapshot(self.history)
             self.tail = [snapshot_item(self.turn_id, text, f"rt{self._step()}")] if changed(text, newest) else []
 
-    async def _maybe_compact(self, request: ModelRequest, step: int, *, forced: bool = False) -> ModelRequest | Cancel:
+    async def _maybe_compact(
+        self, request: ModelRequest, step: int, *, forced: bool = False
+    ) -> ModelRequest | EndCancelled:
         """Compact before this call if the prompt (the provider's last count plus an estimate of
         what changed since, plus the compaction envelope) passes the threshold (I8), or, `forced`,
         because the provider said the prompt is too long."""
@@ -204,23 +215,22 @@ class TurnRunner:
         if not (forced or config.due(tokens, window)) or not split(self.history, config.keep_turns).older:
             return request  # under the threshold, or nothing older than the kept turns
         compactor = Compactor(self.store, self.agent.model, config, self.sid, self.turn_id)
-        asked = self._event("compaction.requested", {"reason": reason, "tokens": tokens, "context_window": window})
-        events = [asked]
+        events = [self._event(CompactionRequestedData(reason, tokens, window))]
         done = compactor.trimmed(self.history, tokens, window)
         if done is None:
-            if (await self._commit([], events)).cancel:  # announced before the summarizer runs
-                return Cancel()
+            if _cancelled(await self._commit([], events)):  # announced before the summarizer runs
+                return EndCancelled()
             events = []
             done = await compactor.summarized(self.history, step)
-        events.append(self._event("compaction.completed", {"reason": reason, "tokens_before": tokens, **done.data}))
+        events.append(self._event(done.event(reason, tokens)))
         if done.history is None:
-            return Cancel() if (await self._commit([], events)).cancel else request
+            return EndCancelled() if _cancelled(await self._commit([], events)) else request
         current = [*self._head(), user_item(self.message), *self.turn_items] if self.user_committed else []
         failpoints.reached("compaction.before_commit")
         committed = await self._commit([*done.history, *current], events, rebase=len(done.history))
         self.history = done.history
         self.last_in = self.last_est = 0
-        return Cancel() if committed.cancel else await self._request(step)
+        return EndCancelled() if _cancelled(committed) else await self._request(step)
 
     def _head(self) -> list[Item]:
         """The turn's durable input before its user item: the runtime snapshot, if any."""
@@ -240,47 +250,46 @@ class TurnRunner:
         )
         items = [] if self.user_committed else [*self._head(), user_item(self.message)]
         items.append(item)
-        events: list[tuple[str, bytes]] = []
+        events: list[Pending] = []
         if reply.text:
-            events.append(self._event("message.completed", {"item_id": item.id, "text": reply.text}))
+            events.append(self._event(MessageCompletedData(item.id, reply.text)))
         gated = [c for c in calls if needs_approval(self.agent.tools, c)]
         requests = [
             ApprovalRequest(request_id(c.id or ""), c.id or "", c.name, c.arguments, self.turn_id) for c in gated
         ]
         mode: CommitMode
         if requests:
-            data = [{"request_id": r.request_id, "tool": r.tool, "arguments": r.arguments} for r in requests]
-            asked: dict[str, Any] = {"requests": data}
-            if self.message.author:  # who may be asked, for a channel that lets only them answer
-                asked["author"] = self.message.author
-            events.append(self._event("input.requested", asked))
+            shown = [Requested(r.request_id, r.tool, r.arguments) for r in requests]
+            # (the author: who may be asked, for a channel that lets only them answer)
+            events.append(self._event(InputRequestedData(shown, self.message.author)))
             mode = "pause"
         elif calls:
             events.extend(self._tool_started(calls[:1]))  # each next one with the result before it
             mode = "step"
         else:
-            events.append(self._event("turn.completed", {"message_id": self.message.message_id, "reply": reply.text}))
+            events.append(self._event(TurnCompletedData(self.message.message_id, reply.text)))
             mode = "final"
         failpoints.reached("step.before_commit")
         committed = await self._commit(
             items, events, mode=mode, requests=requests, after="step.after_commit", usage=usage, guard=True
         )
-        if committed.dropped:  # a cancel came first: nothing of the step is stored (as if interrupted)
-            return Cancel()
+        if isinstance(committed, Withheld):  # a cancel came first: nothing of the step is stored (as if interrupted)
+            return EndCancelled()
         self.open_requests += [r.request_id for r in requests]
         self.user_committed = True
         self.turn_items.append(item)
-        if mode == "final":
-            return Final(more=committed.more)
-        if committed.cancel:
-            return Cancel()
-        if committed.paused:
-            return Paused()
+        match committed:
+            case Ended(more=more):
+                return Final(more=more)
+            case CancelPending():
+                return EndCancelled()
+            case AwaitingAnswers():
+                return Paused()
         return RunTools(item, calls[0].id)
 
     # ---- tools -------------------------------------------------------------------------
 
-    async def _run_tools(self, item: Item, announced: str | None) -> Final | Paused | Cancel | None:
+    async def _run_tools(self, item: Item, announced: str | None) -> Final | Paused | EndCancelled | None:
         """Run the calls that have no committed result yet, committing each result as it comes:
         after a crash only the call that was running runs again (with the same call id). Calls
         of a step that paused for approval run (or are refused) by their answers. A call's
@@ -296,44 +305,41 @@ class TurnRunner:
                 why = f": {refused.reason}" if refused.reason else ""
                 text, is_error = f"error: a person denied this call{why}", True
             else:
-                if call.id != announced and (await self._commit([], self._tool_started([call]), guard=True)).cancel:
-                    return Cancel()
+                if call.id != announced and _cancelled(await self._commit([], self._tool_started([call]), guard=True)):
+                    return EndCancelled()
                 context = ToolContext(self.sid, self.turn_id, call.id or "")
                 began = time.perf_counter()
                 text, is_error = await run_call(self.agent.tools, call, context)
                 self.stats.tool(call.name if call.name in self.agent.tools else "unknown", time.perf_counter() - began)
                 failpoints.reached("tool.after_run")
             result = result_item(self.turn_id, call, text, is_error=is_error)
-            data = {"call_id": call.id, "tool": call.name, "result": text, "is_error": is_error}
             following = next((c for c in todo[n + 1 :] if not denial(self.begun.answers, c)), None)
             announced = following.id if following is not None else None
             # the last result of the step counts the model call that follows it (if one does)
             model_next = call is todo[-1] and self._step() < self.agent.max_steps
             committed = await self._commit(
                 [result],
-                [self._event("tool.completed", data)],
+                [self._event(ToolCompletedData(call.id or "", call.name, text, is_error))],
                 attempt=model_next,
                 announce=self._tool_started([following]) if following is not None else [],
             )
             self.turn_items.append(result)
-            if committed.cancel:
-                return Cancel()
+            if _cancelled(committed):
+                return EndCancelled()
             self.attempt_counted = model_next
         self._reread = bool(self.agent.runtime)
         return None
 
-    def _tool_started(self, calls: tuple[ToolCall, ...] | list[ToolCall]) -> list[tuple[str, bytes]]:
-        return [self._event("tool.started", {"call_id": c.id, "tool": c.name, "arguments": c.arguments}) for c in calls]
+    def _tool_started(self, calls: tuple[ToolCall, ...] | list[ToolCall]) -> list[Pending]:
+        return [self._event(ToolStartedData(c.id or "", c.name, c.arguments)) for c in calls]
 
     # ---- endings -----------------------------------------------------------------------
 
     async def fail(self, code: str, message: str) -> Final:
-        event = self._event(
-            "turn.failed", {"message_id": self.message.message_id, "error": {"code": code, "message": message}}
-        )
+        event = self._event(TurnFailedData(self.message.message_id, ErrorInfo(code, message)))
         items = [] if self.user_committed else [*self._head(), user_item(self.message)]
         committed = await self._commit(items, [event], mode="final", guard=True)
-        if committed.dropped:  # a cancel was accepted first: it is what ends the turn
+        if not isinstance(committed, Ended):  # a cancel was accepted first: it is what ends the turn
             return await self.cancel()
         return Final(more=committed.more)
 
@@ -341,7 +347,6 @@ class TurnRunner:
         """End the turn as cancelled: open requests withdrawn, every call without a result
         answered with an error result (a tool call is never left without its result)."""
         items: list[Item] = [] if self.user_committed else [*self._head(), user_item(self.message)]
-        events: list[tuple[str, bytes]] = []
         # (each emits input.resolved if, and only if, it is not already answered)
         withdrawn = [(rid, Answer("withdrawn", "the turn was cancelled")) for rid in self.open_requests]
         pending = self._unfinished_calls()
@@ -352,14 +357,14 @@ class TurnRunner:
                     items.append(
                         result_item(self.turn_id, call, "error: the turn was cancelled; not run", is_error=True)
                     )
-        events.append(self._event("turn.cancelled", {"message_id": self.message.message_id}))
+        events = [self._event(TurnCancelledData(self.message.message_id))]
         committed = await self._commit(items, events, mode="final", answers=withdrawn)
-        return Final(more=committed.more)
+        return Final(more=isinstance(committed, Ended) and committed.more)
 
     async def _commit(
         self,
         items: list[Item],
-        events: list[tuple[str, bytes]],
+        events: list[Pending],
         *,
         mode: CommitMode = "step",
         requests: list[ApprovalRequest] | None = None,
@@ -369,8 +374,8 @@ class TurnRunner:
         rebase: int | None = None,
         usage: UsageRecord | None = None,
         guard: bool = False,
-        announce: list[tuple[str, bytes]] | None = None,
-    ) -> Committed:
+        announce: list[Pending] | None = None,
+    ) -> Commit:
         try:
             committed = await self.store.commit(
                 self.sid,
@@ -386,15 +391,17 @@ class TurnRunner:
                 usage=usage,
                 guard=guard,
                 announce=announce or (),
+                failpoint=after,
             )
         except StaleLease:
             log.warning("session %s turn %s: lease lost (or session deleted), stopping", self.sid, self.turn_id)
             raise
-        if after is not None:
-            failpoints.reached(after)
-        if committed.events:
-            self._publish(self.sid, committed.events, mode != "step" and not committed.dropped)
         return committed
 
-    def _event(self, etype: str, data: dict[str, Any]) -> tuple[str, bytes]:
-        return etype, event_body(self.turn_id, data)
+    def _event(self, data: Data) -> Pending:
+        return pending(self.turn_id, data)
+
+
+def _cancelled(committed: Commit) -> bool:
+    """A cancel is pending for the turn (the commit was made, or withheld because of it)."""
+    return isinstance(committed, CancelPending | Withheld)

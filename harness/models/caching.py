@@ -1,4 +1,6 @@
-"""CachingScriptedModel: a ScriptedModel that reports `Usage.cached_tokens` the way a provider's
+"""CachingScriptedModel: a ScriptedModel that reports cached tokens as a prefix cache would.
+
+CachingScriptedModel: a ScriptedModel that reports `Usage.cached_tokens` the way a provider's
 prefix cache would, so tests and benchmarks can measure cache reuse without a provider.
 
 A request is a sequence of blocks: the tools + system block, then each message. The cached

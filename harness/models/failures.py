@@ -1,12 +1,15 @@
-"""Provider failures as keel's `ModelError`s, one mapping for every adapter: what failed (the
+"""Provider failures as keel's `ModelError`s: one mapping for every adapter.
+
+Provider failures as keel's `ModelError`s, one mapping for every adapter: what failed (the
 code a failed turn carries), whether another attempt may succeed, and after how long the
-provider asked to wait."""
+provider asked to wait (`harness.retry.retry_after`)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
 from harness.errors import ModelError
+from harness.retry import retry_after
 
 RETRYABLE_STATUS = {408, 409, 429}
 # How providers say the prompt does not fit: Anthropic ("prompt is too long: ...", "input length
@@ -20,18 +23,6 @@ CONTEXT_HINTS = (
     "context length",
     "context window",
 )
-
-
-def retry_after(headers: Mapping[str, str]) -> float | None:
-    """`retry-after-ms` (milliseconds) or `retry-after` (seconds), when a provider sent one."""
-    for name, scale in (("retry-after-ms", 0.001), ("retry-after", 1.0)):
-        raw = headers.get(name)
-        if raw is not None:
-            try:
-                return max(float(raw) * scale, 0.0)
-            except ValueError:
-                continue  # (an HTTP date: back off as usual)
-    return None
 
 
 def from_status(status: int, message: str, *, kind: str = "", headers: Mapping[str, str] | None = None) -> ModelError:

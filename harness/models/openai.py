@@ -1,4 +1,6 @@
-"""OpenAI models on the official SDK (`keel[openai]`), streaming: the Responses API by default,
+"""OpenAI models on the official SDK (`keel[openai]`), streaming.
+
+OpenAI models on the official SDK (`keel[openai]`), streaming: the Responses API by default,
 Chat Completions with `api="chat"` (so OpenAI-compatible servers such as vLLM, Ollama, LiteLLM
 or OpenRouter work too).
 

@@ -1,4 +1,6 @@
-"""ScriptedModel: a model whose replies come from a Python function. The test double of the
+"""ScriptedModel: the model port's test double, its replies from a Python function.
+
+ScriptedModel: a model whose replies come from a Python function. The test double of the
 model port, shipped in the package so apps and tests use the same one."""
 
 from __future__ import annotations

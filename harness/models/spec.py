@@ -1,4 +1,6 @@
-"""Model spec strings: `"anthropic:claude-sonnet-4-5"`, `"openai:gpt-5"`, `"openai-chat:<model>"`
+"""Model spec strings (`anthropic:<model>`, `openai:<model>`, ...) made into models.
+
+Model spec strings: `"anthropic:claude-sonnet-4-5"`, `"openai:gpt-5"`, `"openai-chat:<model>"`
 (Chat Completions, for OpenAI-compatible servers). Keys and endpoints come from the SDKs' own
 variables; `check` says what is missing before anything runs, `resolve` makes the model."""
 

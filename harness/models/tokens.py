@@ -1,4 +1,6 @@
-"""Token estimates: one rough measure (4 characters a token) used everywhere keel has no
+"""Token estimates: the one rough measure keel uses where no provider counted.
+
+Token estimates: one rough measure (4 characters a token) used everywhere keel has no
 provider count, so estimates of different requests can be compared and subtracted."""
 
 from __future__ import annotations

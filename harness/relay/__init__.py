@@ -1,4 +1,6 @@
-"""The delivery relay: a session's committed events reach a webhook channel's destination (a
+"""The delivery relay: committed events to webhook destinations, in order, once.
+
+The delivery relay: a session's committed events reach a webhook channel's destination (a
 Slack thread, a Linear agent session, a subscriber's URL) from the outbox, not from the process
 that ran the turn, so a crash anywhere loses nothing and repeats nothing.
 
@@ -19,7 +21,7 @@ and, once the lease lapsed, goes on from the cursor.
 
 A call the destination cannot take now (`Retry`: rate limited, unreachable) is tried again
 after the delay it names, up to `attempts` times; one it refuses (`Undeliverable`), or one that
-ran out of attempts, becomes a dead letter (listed and retried with `python -m app.relay`)
+ran out of attempts, becomes a dead letter (listed and retried with `python -m app.deadletters`)
 and the relay moves on."""
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from harness.aio import cancel_and_wait
 from harness.ids import new_id
 from harness.relay.destination import Destination, Outbound, Parked, RelayStats, Retry, RetryPolicy, Undeliverable
 from harness.relay.session import LeaseLost, Session
-from harness.store import Deliveries, Failing, Outbox, Store, relay_queue
+from harness.store import Failing, JobId, Store, relay_queue
 
 log = logging.getLogger("keel.relay")
 REPORT_EVERY_S = 60.0
@@ -47,7 +49,7 @@ DEFER_S = 0.5  # a job for a destination at its limit of sessions comes back aft
 
 @dataclass
 class _Task:
-    jobs: list[str]
+    jobs: list[JobId]
     kicked: bool = False
 
 
@@ -55,7 +57,6 @@ class Relay:
     def __init__(
         self,
         store: Store,
-        outbox: Outbox,
         destinations: list[Destination],
         *,
         resolve: Callable[[str], Awaitable[Destination | None]] | None = None,
@@ -67,8 +68,8 @@ class Relay:
         per_destination: int = 64,
     ) -> None:
         self.store = store
-        self.outbox = outbox
-        self.deliveries = Deliveries(store.redis, store.wire)
+        self.outbox = store.outbox
+        self.deliveries = store.deliveries
         self.queue = relay_queue(store.redis)
         self.destinations = {d.name: d for d in destinations}
         self.resolve = resolve  # destinations made on demand (an API key's webhook subscriptions) ...
@@ -131,7 +132,7 @@ class Relay:
                 log.warning("relay: reading jobs failed (%s); trying again", exc)
                 await asyncio.sleep(1.0)
 
-    def _dispatch(self, job_id: str, what: str) -> None:
+    def _dispatch(self, job_id: JobId, what: str) -> None:
         sid, _, rest = what.partition(" ")
         dest, _, event_id = rest.partition(" ")
         if dest not in self.destinations and not (self.resolve is not None and dest.startswith(self.resolves)):
@@ -196,7 +197,7 @@ class Relay:
             return max(1, self.concurrency // len(self.destinations))
         return self.per_destination
 
-    def _defer(self, job_id: str, sid: str, dest: str, event_id: str) -> None:
+    def _defer(self, job_id: JobId, sid: str, dest: str, event_id: str) -> None:
         async def later() -> None:
             try:
                 await self.deliveries.delay(sid, dest, time.time() + DEFER_S, event_id)

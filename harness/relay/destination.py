@@ -1,4 +1,6 @@
-"""What a webhook channel gives the delivery relay: a `Destination` that renders committed
+"""The `Destination` port a webhook channel gives the delivery relay, and the relay's figures.
+
+What a webhook channel gives the delivery relay: a `Destination` that renders committed
 events into `Outbound` calls and makes them, raising `Retry` or `Undeliverable`; and the
 relay's figures (`RelayStats`)."""
 

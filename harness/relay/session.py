@@ -1,4 +1,6 @@
-"""One relay's hold on one session's deliveries to one destination: the lease kept while it
+"""One relay's hold on one session's deliveries to one destination.
+
+One relay's hold on one session's deliveries to one destination: the lease kept while it
 works, refs in doubt reconciled, events followed from the cursor until the session is quiet."""
 
 from __future__ import annotations
@@ -12,18 +14,14 @@ from typing import TYPE_CHECKING, Any
 
 from harness import failpoints
 from harness.aio import cancel_and_wait
-from harness.events import StoredEvent, decode_data
-from harness.ids import just_before
+from harness.events import SETTLING, StoredEvent, TurnStarted
 from harness.relay.destination import Destination, Outbound, Undeliverable
-from harness.store import DeliveryState
+from harness.store import DeliveryState, streamids
 
 if TYPE_CHECKING:
     from harness.relay import Relay
 
 log = logging.getLogger("keel.relay")
-SETTLING = frozenset(
-    {"turn.completed", "turn.failed", "turn.cancelled", "input.requested", "compaction.completed", "context.cleared"}
-)
 
 
 class LeaseLost(Exception):
@@ -43,8 +41,9 @@ class Session:
         self.where = state.metadata
         # delivered up to here (written); a destination made later than the session starts
         # at its own beginning (`since`: an event webhook gets events from its creation on)
-        since: str = getattr(dest, "since", "")
-        self.cursor = since if state.cursor == "0-0" and since else state.cursor
+        since: float = getattr(dest, "since", 0.0)  # (epoch seconds; 0: from the session's start)
+        fresh = state.cursor == streamids.START
+        self.cursor = streamids.at(since) if fresh and since else state.cursor
         self.seen = self.cursor  # read up to here (written lazily when nothing was posted)
         self.doubt = state.doubt
         self.last = state.last
@@ -148,8 +147,9 @@ class Session:
                 if not isinstance(item, StoredEvent):
                     continue  # live events (message.delta) are not delivered
                 await self.deliver(item)
-                if item.type == "turn.started":
-                    self.open_turn, self.open_since = _turn_of(item), time.monotonic()
+                started = item.of(TurnStarted)
+                if started is not None:
+                    self.open_turn, self.open_since = started.turn_id or "", time.monotonic()
                 if item.type in SETTLING and await self._quiet():
                     return
         finally:
@@ -178,27 +178,26 @@ class Session:
         not have are made (after what came later: out of order by then); the cursor stays."""
         event_id, self.redeliver = self.redeliver, ""
         relay, dest = self.relay, self.dest
-        events = await relay.store.events(self.sid, just_before(event_id), count=1)
-        if not events or events[0].id != event_id:
+        event = await relay.outbox.event(self.sid, event_id)
+        if event is None:
             log.warning("relay: event %s of %s is gone (retention); not delivered again", event_id, self.sid)
             return
-        outs = dest.render(events[0], self.where, self.refs)
+        outs = dest.render(event, self.where, self.refs)
         posts = [o.ref for o in outs if o.kind == "post" and o.ref not in self.refs]
         if posts:
             try:
                 self.refs.update(await relay.attempt(lambda: dest.find(posts, self.where, ""), self, resets=False))
             except Undeliverable as exc:
-                await self._bury(events[0], str(exc))
+                await self._bury(event, str(exc))
                 return
         if outs:
-            await self._post_all(outs, event_id=event_id, event=events[0], move_cursor=False)
+            await self._post_all(outs, event_id=event_id, event=event, move_cursor=False)
 
     async def _bury(self, event: StoredEvent, error: str) -> None:
         relay = self.relay
         relay.stats.dead += 1
         log.warning("relay: event %s of %s could not reach %s: %s", event.id, self.sid, self.dest.name, error)
-        letter = relay.deliveries.letter(self.sid, event.id, self.dest.name, error, self.gave_up_after)
-        await relay.deliveries.bury(letter)
+        await relay.deliveries.bury(self.sid, event.id, self.dest.name, error, self.gave_up_after)
 
     async def deliver(self, event: StoredEvent, *, move_cursor: bool = True) -> None:
         outs = self.dest.render(event, self.where, self.refs)
@@ -257,9 +256,4 @@ class Session:
         if cursor is not None:
             self.cursor = self.seen = cursor
         if event is not None and error is None:
-            relay.stats.delivered_after(time.time() - int(event.id.split("-")[0]) / 1000)
-
-
-def _turn_of(event: StoredEvent) -> str:
-    turn: Any = decode_data(event.raw).get("turn_id")
-    return str(turn or "")
+            relay.stats.delivered_after(time.time() - streamids.ms_of(event.id) / 1000)

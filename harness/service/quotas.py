@@ -1,5 +1,9 @@
-"""What one caller may ask of keel: a rate for the requests that make work (sessions, messages,
-tokens) per API key, and how many messages may wait in one session."""
+"""Quotas: the rate limits a channel checks before it makes work.
+
+What one caller may ask of keel: a rate for the requests that make work (sessions, messages,
+tokens) per API key, and one for the browser tokens minted for a session (`Quotas`, the
+Harness's part channels ask). How many messages may wait in one session is the store's
+(`max_queued`)."""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ import re
 from dataclasses import dataclass
 
 from harness.errors import Limited
-from harness.store import RateBuckets
+from harness.store import RateBuckets, Store
 
 _UNITS = {
     "s": 1,
@@ -61,3 +65,25 @@ class RateLimiter:
                 code="rate_limited",
                 retry_after=after,
             )
+
+
+class Quotas:
+    """The rate limits a channel checks before it makes work."""
+
+    def __init__(self, store: Store, rate_limit: RateLimit | None, token_rate: RateLimit | None) -> None:
+        buckets = store.buckets
+        self.limiter = RateLimiter(buckets, rate_limit, "for this API key") if rate_limit is not None else None
+        self.token_limiter = RateLimiter(buckets, token_rate, "for this session's tokens") if token_rate else None
+
+    async def admit(self, owner: str) -> None:
+        """Count one request that makes work (a session, a message, a token) against `owner`'s
+        rate limit, if there is one: Limited (`rate_limited`) past it. One round trip."""
+        if self.limiter is not None:
+            await self.limiter.admit(owner)
+
+    async def admit_token(self, sid: str) -> None:
+        """Count one browser token minted for session `sid` against its own limit (on by
+        default: a token is a credential, and minting them needs no more than a page load's
+        worth). Limited past it."""
+        if self.token_limiter is not None:
+            await self.token_limiter.admit(f"tokens:{sid}")

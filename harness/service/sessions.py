@@ -1,20 +1,40 @@
-"""The Harness's reads of a session: its state, its open requests, its history, its events.
-Nothing here writes."""
+"""`Harness.sessions`: everything a channel asks of one session.
+
+`Harness.sessions`: everything a channel asks of one session. Commands (create, submit,
+respond, cancel, compact, clear, delete) check what they are given, write through the store in
+one round trip, and have the runner here start on the work; reads (the session, its open
+requests, its history, its events) write nothing; the wait for a turn to settle is `waiting`'s.
+
+A session ends when it is deleted (`delete`: all of it at once, the turn in progress stopped and
+every reader told) or when it was left alone for the session TTL (all of it expires)."""
 
 from __future__ import annotations
 
 import asyncio
-import re
 from collections.abc import AsyncIterator
+from typing import Any
 
-from harness.errors import InvalidInput, NotFound
-from harness.events import LiveEvent, StoredEvent, decode_data
-from harness.ids import stream_key
-from harness.store import Outbox, Store
-from harness.types import Item, SessionInfo, SessionStatus
+from harness import failpoints
+from harness.errors import Conflict, InvalidInput, NotFound
+from harness.events import LiveEvent, Requested, StoredEvent
+from harness.ids import MESSAGE_ID, SESSION_ID, new_id
+from harness.loop.context import split_context
+from harness.runner import Runner
+from harness.service.waiting import collect_turn
+from harness.store import (
+    AlreadyAnswered,
+    Cancelling,
+    JobId,
+    NothingToCancel,
+    Recorded,
+    Responded,
+    Store,
+    Submitted,
+    streamids,
+)
+from harness.types import Answer, EntryKind, InboxMessage, Item, PageContext, SessionInfo, SubmitResult, TurnResult
 
-SESSION_ID = re.compile(r"^ses_[0-9a-z]{26}$")
-EVENT_ID = re.compile(r"^[0-9]{1,20}-[0-9]{1,20}$")  # ASCII digits only (\d takes any script's)
+MAX_REASON = 2_000
 
 
 def check_session_id(sid: str) -> str:
@@ -23,45 +43,207 @@ def check_session_id(sid: str) -> str:
     return sid
 
 
-def check_event_id(eid: str) -> str:
-    """A stream id a client may resume after: `<ms>-<seq>`, both below 2**64, not the last."""
-    if EVENT_ID.match(eid):
-        ms, seq = stream_key(eid)
-        if ms < 2**64 and seq < 2**64 and (ms, seq) != (2**64 - 1, 2**64 - 1):
-            return eid
-    raise InvalidInput("an event id looks like 1700000000000-0", code="invalid_event_id")
+class Sessions:
+    def __init__(self, store: Store, runner: Runner | None) -> None:
+        self.store = store
+        self.runner = runner
 
+    # ---- commands ----------------------------------------------------------------------
 
-class SessionReads:
-    store: Store
-    outbox: Outbox
+    async def create(self, owner: str, metadata: dict[str, Any] | None = None) -> str:
+        """A new session of `owner`; its id."""
+        sid = new_id("ses")
+        await self.store.create(sid, owner, metadata or {})
+        return sid
 
-    async def session(self, sid: str, owner: str) -> SessionInfo:
+    async def submit(
+        self,
+        sid: str,
+        owner: str,
+        text: str,
+        context: PageContext = None,
+        message_id: str | None = None,
+        *,
+        author: str = "",
+        create: dict[str, Any] | None = None,
+        deliver_to: str | None = None,
+    ) -> SubmitResult:
+        """Queue a user message; one turn per distinct message_id. Returns once it is durable.
+        A webhook channel names the `author`, may have the session made on its first message
+        (`create`: its metadata) and has the delivery relay told (`deliver_to`: its
+        destination), all in the same round trip."""
+        check_session_id(sid)
+        if message_id is None:
+            message_id = new_id("msg")
+        elif not MESSAGE_ID.match(message_id):
+            raise InvalidInput(
+                "message_id must be 1 to 128 characters of A-Z a-z 0-9 . _ : -", code="invalid_message_id"
+            )
+        turn_only, sticky = split_context(context)
+        message = InboxMessage(
+            message_id=message_id, turn_id=new_id("turn"), text=text, context=turn_only, sticky=sticky, author=author
+        )
+        # A process that runs turns, and runs none of this session's now, lets SUBMIT begin the
+        # turn too (one round trip less); the session is held meanwhile, so that its job coming
+        # back off the stream cannot start a second drain.
+        runner = self.runner
+        if runner is not None and await runner.reserve(sid):
+            # Shielded: a caller cancelled after SUBMIT began the turn must not strand its lease.
+            reserved = self._submit_reserved(runner, sid, owner, message, create=create, deliver_to=deliver_to)
+            submitted = await asyncio.shield(reserved)
+        else:
+            submitted = await self.store.submit(sid, owner, message, create=create, deliver_to=deliver_to)
+            if runner is not None:
+                runner.kick(sid, submitted.job)
+        return SubmitResult(
+            session_id=sid,
+            message_id=message_id,
+            turn_id=submitted.turn_id,
+            received_id=submitted.received_id,
+            duplicate=submitted.duplicate,
+            received_seq=submitted.received.seq if submitted.received is not None else 0,
+        )
+
+    async def _submit_reserved(
+        self,
+        runner: Runner,
+        sid: str,
+        owner: str,
+        message: InboxMessage,
+        *,
+        create: dict[str, Any] | None,
+        deliver_to: str | None,
+    ) -> Submitted:
+        """SUBMIT that may begin the turn, then the runner runs what it began (or drains as
+        usual); the reservation is given back whatever happens."""
+        try:
+            submitted = await self.store.submit(
+                sid, owner, message, begin_lease_ms=runner.lease_ms, create=create, deliver_to=deliver_to
+            )
+        except BaseException:
+            runner.adopt(sid, None, None)
+            raise
+        runner.adopt(sid, submitted.job, submitted.began)
+        return submitted
+
+    async def respond(
+        self,
+        sid: str,
+        owner: str,
+        request_id: str,
+        decision: str,
+        reason: str = "",
+        *,
+        by: str = "",
+        deliver_to: str | None = None,
+    ) -> Responded:
+        """Answer an approval request. An answer is recorded once: the same answer again is
+        accepted (and makes sure the turn resumes), a different one is a Conflict. A webhook
+        channel names who answered (`by`) and has the relay told (`deliver_to`); its answer,
+        the session's job and the relay's job are then one round trip."""
+        check_session_id(sid)
+        if decision not in ("approve", "deny"):
+            raise InvalidInput("decision must be approve or deny", code="invalid_decision")
+        if len(reason) > MAX_REASON:
+            raise InvalidInput(f"reason is longer than {MAX_REASON} characters")
+        if not MESSAGE_ID.match(request_id):
+            raise NotFound(f"no approval request {request_id[:64]} in session {sid}", code="request_not_found")
+        answer = Answer(decision, reason, by)  # type: ignore[arg-type]
+        res = await self.store.respond(sid, owner, request_id, answer, deliver_to=deliver_to)
+        match res:
+            case Recorded(runnable=runnable, job=job):
+                failpoints.reached("response.after_accept")
+                if runnable:
+                    await self._wake(sid, job)
+            case AlreadyAnswered(answer=recorded) if recorded.decision != decision:
+                raise Conflict(
+                    f"request {request_id} was already answered: {recorded.decision}",
+                    code="already_answered",
+                    details={"decision": recorded.decision},
+                )
+            case AlreadyAnswered(job=job):  # a repeat: the first one may have died before it woke the turn
+                await self._wake(sid, job)
+        return res
+
+    async def cancel(
+        self, sid: str, owner: str, turn_id: str | None = None, *, deliver_to: str | None = None, once: str = ""
+    ) -> str:
+        """End the turn in progress (or the next queued one), or only `turn_id` if given (so a
+        repeated cancel cannot end the turn after it). Returns the turn id. A webhook channel
+        has the relay told (`deliver_to`), in the same round trip, and names its request
+        (`once`: a redelivery of it changes nothing)."""
+        check_session_id(sid)
+        if turn_id == "":
+            raise InvalidInput("turn_id, when given, names a turn", code="invalid_turn_id")
+        match await self.store.cancel(sid, owner, turn_id or "", deliver_to=deliver_to, once=once):
+            case NothingToCancel():
+                what = f"turn {turn_id} is not in progress" if turn_id else "there is no turn to cancel"
+                raise Conflict(what, code="nothing_to_cancel")
+            case Cancelling(turn_id=cancelled, job=job):
+                await self._wake(sid, job)
+                return cancelled
+
+    async def compact(self, sid: str, owner: str) -> str:
+        """Queue a manual compaction behind the session's turns. Returns its id (the turn_id of
+        its events)."""
+        return await self._enqueue(sid, owner, "compact")
+
+    async def clear(self, sid: str, owner: str) -> str:
+        """Queue a clear of the model's history behind the session's turns. Returns its id."""
+        return await self._enqueue(sid, owner, "clear")
+
+    async def _enqueue(self, sid: str, owner: str, kind: EntryKind) -> str:
+        check_session_id(sid)
+        op_id = new_id("turn")
+        job = await self.store.enqueue(sid, owner, InboxMessage(message_id=new_id(kind), turn_id=op_id, kind=kind))
+        if self.runner is not None:
+            self.runner.kick(sid, job)
+        return op_id
+
+    async def delete(self, sid: str, owner: str) -> None:
+        """Remove the session and everything of it (its history, events, queued messages, open
+        requests, delivery state) in one atomic step; NotFound if it is not there or not the
+        owner's. A turn in progress is told to stop, wherever it runs: its model call is cut,
+        and its next write is refused (it cannot make the session again). Readers of the
+        session, in this process and in others, get `session.deleted` and their stream ends.
+        A later message to the id is NotFound (a webhook channel's conversation, whose
+        messages make their session, starts a new one)."""
+        check_session_id(sid)
+        await self.store.delete(sid, owner)
+
+    async def _wake(self, sid: str, job: JobId | None = None) -> None:
+        """Queue a job for the session, unless `job` was queued already (and run it here at
+        once, if this process runs turns)."""
+        if job is None:
+            job = await self.store.add_job(sid)
+        if self.runner is not None:
+            self.runner.kick(sid, job)
+
+    # ---- reads -------------------------------------------------------------------------
+
+    async def info(self, sid: str, owner: str) -> SessionInfo:
+        """The session's status, open requests, queue and usage."""
         check_session_id(sid)
         meta = await self.store.meta(sid, owner)
         # the inbox's head is the turn in progress (running or paused) while `turn` names it:
         # queued counts the messages behind it
-        queued = max(0, await self.store.queued(sid) - (1 if meta.get("turn") else 0))
-        pending = [
-            {"request_id": r.request_id, "tool": r.tool, "arguments": r.arguments}
-            for r in await self.store.open_requests(sid, meta)
-        ]
+        queued = max(0, await self.store.queued(sid) - (1 if meta.turn else 0))
+        pending = [Requested(r.request_id, r.tool, r.arguments) for r in await self.store.open_requests(sid, meta)]
         usage = {
-            "input_tokens": int(meta.get("u_in", 0)),
-            "output_tokens": int(meta.get("u_out", 0)),
-            "cached_tokens": int(meta.get("u_cached", 0)),
-            "cache_write_tokens": int(meta.get("u_cwrite", 0)),
-            "model_calls": int(meta.get("u_calls", 0)),
+            "input_tokens": meta.input_tokens,
+            "output_tokens": meta.output_tokens,
+            "cached_tokens": meta.cached_tokens,
+            "cache_write_tokens": meta.cache_write_tokens,
+            "model_calls": meta.model_calls,
         }
-        status: SessionStatus = meta["status"]  # type: ignore[assignment]
         return SessionInfo(
             session_id=sid,
-            status=status,
+            status=meta.status,
             pending=pending,
             queued=queued,
             usage=usage,
-            metadata=decode_data(meta["metadata"].encode()),
-            created_at=float(meta["created_at"]),
+            metadata=meta.metadata,
+            created_at=meta.created_at,
         )
 
     async def pending(self, sid: str, owner: str) -> list[str]:
@@ -75,13 +257,17 @@ class SessionReads:
         check_session_id(sid)
         return await self.store.history(sid, owner, offset, limit)
 
-    async def shared_secret(self) -> bytes:
-        """A secret every process of this deployment shares (for signing browser tokens)."""
-        return await self.store.shared_secret()
-
     async def check_owner(self, sid: str, owner: str) -> None:
+        """NotFound unless the session is there and `owner`'s."""
         check_session_id(sid)
         await self.store.meta(sid, owner)
+
+    @staticmethod
+    def resume_after(*given: str | None) -> str:
+        """Where a reader resumes: the newest of the event ids it gave (`?after=`, the
+        `Last-Event-ID` an EventSource sends when it reconnects), each checked
+        (`invalid_event_id`); from the start with none."""
+        return streamids.newest(*(streamids.check_event_id(eid) for eid in given if eid))
 
     def tail(
         self, sid: str, after: str, *, heartbeat: float, gate: asyncio.Semaphore | None = None
@@ -89,4 +275,25 @@ class SessionReads:
         """Committed events after `after`, then new ones as they come, with live events
         (`Outbox.tail` itself: no generator layer of its own on every event's path). The caller
         checks ownership first."""
-        return self.outbox.tail(sid, after, heartbeat=heartbeat, gate=gate)
+        return self.store.outbox.tail(sid, after, heartbeat=heartbeat, gate=gate)
+
+    # ---- waiting for a turn ----------------------------------------------------------------
+
+    async def wait_turn(self, result: SubmitResult, timeout: float) -> TurnResult:
+        """Wait until the message's turn settles; returns its events (from message.received on)."""
+        after = streamids.before(result.received_id)
+        async with self.store.hub.watch(result.session_id, settled_only=True) as watch:
+            return await collect_turn(self.store.outbox, result, watch, after, timeout, read_first=True)
+
+    async def submit_and_wait(
+        self, sid: str, owner: str, text: str, *, context: PageContext, message_id: str | None, timeout: float
+    ) -> TurnResult:
+        """`submit`, then `wait_turn`, with the wake-up armed before the message exists: a new
+        message's events are then read once, when its turn has moved on."""
+        check_session_id(sid)
+        async with self.store.hub.watch(sid, settled_only=True) as watch:
+            result = await self.submit(sid, owner, text, context, message_id)
+            if not result.duplicate:  # its events, from message.received on, may come published
+                watch.last_seq = result.received_seq - 1
+            after = streamids.before(result.received_id)
+            return await collect_turn(self.store.outbox, result, watch, after, timeout, read_first=result.duplicate)

@@ -1,22 +1,16 @@
-"""Waiting for a turn to settle (`?wait=true`): its events, read from its message on, until
+"""Waiting for a turn to settle (`?wait=true`).
+
+Waiting for a turn to settle (`?wait=true`): its events, read from its message on, until
 the newest of them says how the turn came out (NotFound if the session ends meanwhile)."""
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 from harness.errors import NotFound
-from harness.events import decode_data
+from harness.events import OUTCOMES, StoredEvent, TurnCompleted
 from harness.store import Outbox, Watch
 from harness.types import SubmitResult, TurnResult
-
-TERMINAL = {
-    "turn.completed": "completed",
-    "turn.failed": "failed",
-    "turn.cancelled": "cancelled",
-    "input.requested": "waiting",
-}
 
 
 async def collect_turn(
@@ -26,7 +20,7 @@ async def collect_turn(
     turn.* event, or an input.requested with nothing after it (so asking again later about
     a turn that paused and then finished reports how it finished)."""
     sid = result.session_id
-    events: list[dict[str, Any]] = []
+    events: list[StoredEvent] = []
     marker = b'"turn_id":"' + result.turn_id.encode() + b'"'
 
     async def collect() -> TurnResult:
@@ -36,21 +30,21 @@ async def collect_turn(
                 batch, more = await outbox.next(sid, watch, position)
                 if batch:
                     position = batch[-1].id
-                events.extend(decode_data(e.raw) for e in batch if marker in e.raw)
+                events.extend(e for e in batch if marker in e.raw)
                 if more:
                     continue  # read everything there is before judging the newest event
-                status = TERMINAL.get(events[-1]["type"]) if events else None
+                status = OUTCOMES.get(events[-1].type) if events else None
                 if status is not None:
-                    reply = events[-1]["data"].get("reply")
+                    completed = events[-1].of(TurnCompleted)
                     return TurnResult(
                         session_id=sid,
                         message_id=result.message_id,
-                        status=status,  # type: ignore[arg-type]
-                        reply=reply,
+                        status=status,
+                        reply=completed.data.reply if completed is not None else None,
                         events=events,
                     )
             woken = await watch.wait(min(timeout, 5.0))  # or a periodic look in case a wake-up was lost
-            if watch.ended is not None or (not woken and not await outbox.store.exists(sid)):
+            if watch.ended is not None or (not woken and not await outbox.exists(sid)):
                 raise NotFound(f"session {sid} was deleted", code="session_not_found")
             read = True
 

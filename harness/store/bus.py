@@ -1,5 +1,7 @@
-"""Between processes: sharded pub/sub (`shardsub`), one channel per session in the session's own
-slot, and one for cancel notices that every process hears.
+"""The bus between processes: live events, and commit, cancel and end notices.
+
+The bus between processes: sharded pub/sub (`shardsub`), one channel per session in the
+session's own slot, and one for cancel notices that every process hears.
 
 Three kinds of message travel on a session's channel. A commit's notice, "@<event id>", is
 published by the script that commits (so it cannot be lost to a crash after the commit):
@@ -24,17 +26,18 @@ from collections.abc import Callable
 
 from harness.aio import cancel_and_wait
 from harness.events import LiveEvent, live_event
-from harness.store.client import Client, count_error
+from harness.store.client import Client
 from harness.store.clusterwire import AnyWire
 from harness.store.keys import CANCELS, SessionKeys, session_of
 from harness.store.shardsub import ShardSubscriber
+from harness.telemetry.metrics import count_redis_error
 
 log = logging.getLogger("keel.live")
 FLUSH_WAIT_S = 1.0  # a commit waits at most this long for its deltas to be published
 ENDED = b"!ended"  # a line on a session's channel: the session was deleted (no event envelope starts so)
 
 
-class LiveRelay:
+class Bus:
     def __init__(
         self,
         redis: Client,
@@ -109,7 +112,7 @@ class LiveRelay:
                 try:
                     await self._publish(batch)
                 except Exception as exc:  # Redis away: those live events are lost, as documented
-                    count_error()
+                    count_redis_error()
                     log.warning("live events not published: %s", type(exc).__name__)
                 finally:
                     if self._sending is not None and not self._sending.done():

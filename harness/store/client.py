@@ -20,22 +20,12 @@ from redis.exceptions import RedisError
 from redis.maint_notifications import MaintNotificationsConfig
 
 from harness.errors import Unavailable
+from harness.telemetry.metrics import count_redis_error
 
 Client = Redis | RedisCluster  # one server, or a Redis / Valkey Cluster (any node's URL)
 P = ParamSpec("P")
 T = TypeVar("T")
 MAX_CONNECTIONS = 4096
-_errors = [0]  # Redis failures this process met (one Redis client per process; read by /metrics)
-
-
-def redis_errors() -> int:
-    """How many Redis calls of this process have failed (raised as `Unavailable`, or met by
-    the event poller and the live-event listener) since it started."""
-    return _errors[0]
-
-
-def count_error() -> None:
-    _errors[0] += 1
 
 
 def connect(url: str, *, cluster: bool | None = None) -> Client:
@@ -88,7 +78,7 @@ async def reachable(url: str, timeout: float = 5.0) -> bool:
 
 
 def unavailable(exc: BaseException) -> Unavailable:
-    count_error()
+    count_redis_error()
     return Unavailable(f"storage is unavailable: {type(exc).__name__}; retry")
 
 

@@ -1,4 +1,6 @@
-"""The turn's command path on a Redis Cluster: each command to the primary that owns its key's
+"""The turn's command path on a Redis Cluster.
+
+The turn's command path on a Redis Cluster: each command to the primary that owns its key's
 slot, over a `Pool` of that node, with the cluster's redirections followed here.
 
 Why not redis-py's `RedisCluster.execute_command`: besides its cost per command (measured in

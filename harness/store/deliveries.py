@@ -1,4 +1,6 @@
-"""The delivery relay's storage: per session and destination, a lease (one relay delivers a
+"""The delivery relay's storage: leases, cursors, doubt, jobs and dead letters.
+
+The delivery relay's storage: per session and destination, a lease (one relay delivers a
 session's events to a destination at a time, fenced by its token), a cursor (the last event
 delivered), the refs whose posts are in doubt (a post made, the cursor not yet moved) and the
 handles a destination keeps for later (a message to update); the relay's job stream; dead
@@ -19,6 +21,7 @@ from harness.store.clusterwire import AnyWire
 from harness.store.keys import RELAY_GROUP, RELAY_JOBS, RELAY_LATER, DeliveryKeys, RelayKeys, dead_letters
 from harness.store.protocol import Script
 from harness.store.queue import JobQueue
+from harness.types import DeadLetter
 
 
 class DeliveryState(msgspec.Struct):
@@ -40,15 +43,6 @@ class Failing(msgspec.Struct):
     fails: int
     since: float
     retry_at: float
-
-
-class DeadLetter(msgspec.Struct, frozen=True):
-    session_id: str
-    event_id: str
-    destination: str
-    error: str
-    attempts: int
-    at: float
 
 
 def relay_job(sid: str, destination: str, event_id: str = "") -> tuple[str, ...]:
@@ -152,24 +146,31 @@ class Deliveries:
         )
         return int(script.reply(raw).n)
 
-    # ---- dead letters ------------------------------------------------------------------
+    # ---- dead letters: the one place they are made, listed and retried -----------------------
 
     @translated
-    async def bury(self, letter: DeadLetter) -> None:
+    async def bury(self, sid: str, event_id: str, destination: str, error: str, attempts: int) -> DeadLetter:
         """Record an event that could not be delivered (idempotent per session and event)."""
-        field = f"{letter.session_id} {letter.event_id}"
-        await self.redis.hset(dead_letters(letter.destination), field, msgspec.json.encode(letter))
+        letter = DeadLetter(sid, event_id, destination, error[:500], attempts, round(time.time(), 3))
+        await self.redis.hset(dead_letters(destination), f"{sid} {event_id}", msgspec.json.encode(letter))
+        return letter
 
     @translated
-    async def dead(self, destination: str) -> list[DeadLetter]:
+    async def dead(self, destination: str, *, session: str | None = None, event: str | None = None) -> list[DeadLetter]:
+        """The destination's dead letters, oldest first (of one session, or one event, if given)."""
         raw: Any = await self.redis.hgetall(dead_letters(destination))
         letters = [msgspec.json.decode(v, type=DeadLetter) for v in raw.values()]
-        return sorted(letters, key=lambda d: d.at)
+        return sorted(
+            (d for d in letters if session in (None, d.session_id) and event in (None, d.event_id)),
+            key=lambda d: d.at,
+        )
 
     @translated
-    async def retry(self, destination: str, letters: list[DeadLetter]) -> int:
-        """Ask the relays to deliver these events again (each one is reconciled with the
-        destination first, so one that did arrive is not posted twice). Returns how many."""
+    async def retry(self, destination: str, *, session: str | None = None, event: str | None = None) -> int:
+        """Ask the relays to deliver the destination's dead letters (those `dead` lists) again:
+        each one is reconciled with the destination first, so one that did arrive is not posted
+        twice. Returns how many."""
+        letters = await self.dead(destination, session=session, event=event)
         if not letters:
             return 0
         async with self.redis.pipeline(transaction=False) as pipe:
@@ -178,7 +179,3 @@ class Deliveries:
                 pipe.execute_command(*relay_job(d.session_id, destination, d.event_id))
             await pipe.execute()
         return len(letters)
-
-    @staticmethod
-    def letter(sid: str, event_id: str, destination: str, error: str, attempts: int) -> DeadLetter:
-        return DeadLetter(sid, event_id, destination, error[:500], attempts, round(time.time(), 3))

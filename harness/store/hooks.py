@@ -1,6 +1,12 @@
-"""Outbound event webhook subscriptions: per API key (owner), a URL, the event types it wants, and
+"""Event webhook subscriptions, and where an owner's sessions deliver to.
+
+Outbound event webhook subscriptions: per API key (owner), a URL, the event types it wants, and
 the secret its deliveries are signed with. All in the `{hooks}` slot: `subs` (id -> the
-subscription) and, per owner, the set of its ids, changed together (MULTI)."""
+subscription) and, per owner, the set of its ids, changed together (MULTI).
+
+Which relay destinations an owner's sessions deliver to (`targets`) is read from them and cached
+for a second per owner in this process (a subscription made in another process delivers from a
+second after it was made at the latest; one made or removed here, at once)."""
 
 from __future__ import annotations
 
@@ -11,36 +17,29 @@ import msgspec
 
 from harness.store.client import Client, translated
 from harness.store.keys import PREFIX
+from harness.types import Subscription
 
 SUBS = f"{PREFIX}:{{hooks}}:subs"
+TARGETS_TTL_S = 1.0
+TARGETS_MOST = 10_000  # owners whose targets are cached at once (then the cache starts again)
+_decode = msgspec.json.Decoder(Subscription).decode
 
 
 def _owned(owner: str) -> str:
     return f"{PREFIX}:{{hooks}}:by:{owner}"
 
 
-class Subscription(msgspec.Struct, frozen=True):
-    id: str
-    owner: str
-    url: str
-    events: list[str]
-    secret: str
-    description: str = ""
-    created_at: float = 0.0
-    disabled: str = ""  # why deliveries stopped (the receiver answered 410), "" while active
-
-    @property
-    def destination(self) -> str:
-        """Its delivery relay destination."""
-        return f"wh:{self.id}"
-
-
-_decode = msgspec.json.Decoder(Subscription).decode
+def new_subscription(
+    sub_id: str, owner: str, *, url: str, events: list[str], secret: str, description: str
+) -> Subscription:
+    return Subscription(sub_id, owner, url, events, secret, description, round(time.time(), 3))
 
 
 class Subscriptions:
     def __init__(self, redis: Client) -> None:
         self.redis = redis
+        self._targets: dict[str, tuple[float, list[str]]] = {}  # owner -> (until, destinations)
+        self._version: dict[str, int] = {}  # bumped when this process changes an owner's hooks
 
     @translated
     async def add(self, sub: Subscription) -> None:
@@ -48,6 +47,7 @@ class Subscriptions:
             pipe.hset(SUBS, sub.id, msgspec.json.encode(sub))
             pipe.sadd(_owned(sub.owner), sub.id)
             await pipe.execute()
+        self._changed(sub.owner)
 
     @translated
     async def count(self, owner: str) -> int:
@@ -76,6 +76,7 @@ class Subscriptions:
             pipe.hdel(SUBS, sub_id)
             pipe.srem(_owned(owner), sub_id)
             await pipe.execute()
+        self._changed(owner)
         return True
 
     @translated
@@ -83,9 +84,31 @@ class Subscriptions:
         sub = await self.get(sub_id)
         if sub is not None and not sub.disabled:
             await self.redis.hset(SUBS, sub_id, msgspec.json.encode(msgspec.structs.replace(sub, disabled=why)))
+            self._changed(sub.owner)
 
+    # ---- where an owner's sessions deliver to ------------------------------------------------
 
-def new_subscription(
-    sub_id: str, owner: str, *, url: str, events: list[str], secret: str, description: str
-) -> Subscription:
-    return Subscription(sub_id, owner, url, events, secret, description, round(time.time(), 3))
+    async def targets(self, owner: str) -> list[str]:
+        """The relay destinations of the owner's active webhook subscriptions (an API key's: a
+        webhook channel's sessions, which it names the destination of, have none)."""
+        now = time.monotonic()
+        cached = self._targets.get(owner)
+        if cached is not None and cached[0] > now:
+            return cached[1]
+        version = self._version.get(owner, 0)
+        destinations = [s.destination for s in await self.of(owner) if not s.disabled]
+        if self._version.get(owner, 0) == version:  # (not changed here while it was read)
+            if len(self._targets) >= TARGETS_MOST:
+                self._targets.clear()
+            self._targets[owner] = (now + TARGETS_TTL_S, destinations)
+        return destinations
+
+    def known_none(self, owner: str) -> bool:
+        """Known here, without a round trip, to have no subscriptions."""
+        cached = self._targets.get(owner)
+        return cached is not None and cached[0] > time.monotonic() and not cached[1]
+
+    def _changed(self, owner: str) -> None:
+        """The owner's subscriptions changed (in this process): read them again."""
+        self._targets.pop(owner, None)
+        self._version[owner] = self._version.get(owner, 0) + 1

@@ -1,14 +1,19 @@
-"""Wakes readers of a session's outbox when new events are committed, and hands them the events
-this process committed and the live (transient) events of the session, from this process or,
-through the `LiveRelay`, from the one running the turn.
+"""The store's news of a session in this process: wake-ups, its events, cancels.
 
-Commits made in this process are published here with the events they wrote (byte for byte what
-a read of the outbox returns); commits made by other processes are heard as the notice their
-script publishes on the session's channel (sharded pub/sub, see `live`), which every watch
-subscribes to; each confirmation of the subscription has its readers read the stream. A reader
-takes published events only when they continue exactly where it is (the next seq, no gap);
-otherwise it reads the outbox stream, which is always the truth. A session that ends (deleted) ends its
-watches here and, through the `LiveRelay`, in the processes that have readers of it (`ended`).
+The store's news of a session in this process: it wakes the readers of a session's outbox when
+new events are committed, hands them the events this process committed and the live (transient)
+events of the session, from this process or, through the `Bus`, from the one running the turn;
+and it tells a running model call of a cancel of its turn, made here or elsewhere.
+
+The store publishes its own commits here with the events they wrote (byte for byte what a read
+of the outbox returns); commits made by other processes are heard as the notice their script
+publishes on the session's channel (sharded pub/sub, see `bus`), which every watch subscribes
+to; each confirmation of the subscription has its readers read the stream. A reader takes
+published events only when they continue exactly where it is (the next seq, no gap); otherwise
+it reads the outbox stream, which is always the truth. While a session's turn is being written
+here (`writing`), notices of its commits are passed over: its events come published here, and
+its readers read the stream once it stops. A session that ends (deleted) ends its watches here
+and, through the `Bus`, in the processes that have readers of it (`ended`).
 """
 
 from __future__ import annotations
@@ -16,19 +21,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Literal
 
 from harness.events import LiveEvent, StoredEvent
-from harness.ids import stream_key
-from harness.store.bus import LiveRelay
+from harness.store import streamids
+from harness.store.bus import Bus
 from harness.store.client import Client
 from harness.store.clusterwire import AnyWire
 
 log = logging.getLogger("keel.hub")
-
-
-def _never(sid: str) -> bool:
-    return False
 
 
 PUSHED_MAX = 512  # events a watch holds for its reader; past that it reads the stream instead
@@ -46,10 +48,10 @@ class Watch:
         self.live = live and not settled_only  # takes live events (message.delta)
         self._pushed: list[StoredEvent] = []
         self._overflow = False
-        self.ended: str | None = None  # why the session ended ("deleted"): its reader stops
+        self.ended: Literal["deleted", "gone"] | None = None  # why the session ended: its reader stops
         self._elsewhere = False  # woken for a commit not handed over here: the reader reads the stream
 
-    def end(self, reason: str) -> None:
+    def end(self, reason: Literal["deleted", "gone"]) -> None:
         """The session ended: the reader is woken to stop."""
         self.ended = reason
         self._signal()
@@ -137,37 +139,28 @@ def _expire(waiter: asyncio.Future[bool]) -> None:
 
 
 class EventHub:
-    def __init__(
-        self,
-        redis: Client | None = None,
-        wire: AnyWire | None = None,
-        *,
-        runs_here: Callable[[str], bool] = _never,
-        cancelled: Callable[[str, str], None] = lambda sid, turn_id: None,
-    ) -> None:
-        # Sessions this process runs now write (and announce) their turn's events here: notices
-        # of their commits are not needed until their drain ends (`poke`).
-        self._runs_here = runs_here
+    def __init__(self, redis: Client | None = None, wire: AnyWire | None = None) -> None:
         self._watches: dict[str, set[Watch]] = {}
         self._last: dict[str, str] = {}  # session -> the newest event id its watches were woken for
-        self._passed: set[str] = set()  # sessions whose notice was passed over while they ran here
-        self._cancelled = cancelled  # (session, turn) a cancel was asked for, here or elsewhere
-        self._relay = None
+        self._writing: set[str] = set()  # sessions whose turn is being written here now
+        self._passed: set[str] = set()  # ... whose notice was passed over meanwhile
+        self._cancellable: dict[str, tuple[str, Callable[[], None]]] = {}  # session -> (turn, stop it)
+        self._bus = None
         if redis is not None and wire is not None:
-            self._relay = LiveRelay(
+            self._bus = Bus(
                 redis,
                 wire,
                 self._arrived,
-                cancelled=cancelled,
+                cancelled=self._cancelled,
                 committed=self._committed,
                 missed=self._missed,
                 ended=self._ended_here,
             )
 
-    def publish(self, sid: str, events: list[StoredEvent], *, settled: bool = True) -> None:
-        """This process committed `events` (`settled`: a commit that ended a turn): hand them to
-        the session's watches and wake them. The notice of the same commit, when it comes, is
-        then passed over."""
+    def publish(self, sid: str, events: list[StoredEvent], *, settled: bool) -> None:
+        """The store committed `events` here (`settled`: a commit that ended or paused a turn):
+        hand them to the session's watches and wake them. The notice of the same commit, when it
+        comes, is then passed over."""
         watches = self._watches.get(sid)
         if not watches:
             return
@@ -184,7 +177,7 @@ class EventHub:
     def _advance(self, sid: str, event_id: str) -> bool:
         """Note `event_id` as woken for; False if an event as new was already."""
         last = self._last.get(sid)
-        if last is not None and stream_key(event_id) <= stream_key(last):
+        if last is not None and streamids.key(event_id) <= streamids.key(last):
             return False
         self._last[sid] = event_id
         return True
@@ -193,7 +186,7 @@ class EventHub:
         """A commit's notice (from any process) for a session watched here."""
         if sid not in self._watches:
             return
-        if self._runs_here(sid):  # its events come published here; anything else is read with them
+        if sid in self._writing:  # its events come published here; anything else is read with them
             self._passed.add(sid)
             return
         if self._advance(sid, event_id):
@@ -206,38 +199,74 @@ class EventHub:
         for w in self._watches.get(sid, ()):
             w.wake_elsewhere()
 
+    @contextlib.contextmanager
+    def writing(self, sid: str) -> Iterator[None]:
+        """A runner here writes the session's turn (it holds the lease): its commits' notices are
+        not needed until it stops; then, if one was passed over (perhaps for a commit made
+        elsewhere), the session's readers read the stream."""
+        self._writing.add(sid)
+        try:
+            yield
+        finally:
+            self._writing.discard(sid)
+            if sid in self._passed:
+                self._passed.discard(sid)
+                self._missed(sid)
+
+    # ---- live events and cancels -----------------------------------------------------------
+
     def live(self, sid: str, event: LiveEvent) -> None:
         """A turn this process runs produced a live event: to the session's readers here, and
         to those of other processes."""
         self._arrived(sid, event)
-        if self._relay is not None:
-            self._relay.send(sid, event)
+        if self._bus is not None:
+            self._bus.send(sid, event)
+
+    async def flush_live(self) -> None:
+        """Return once the live events handed over so far have left for other processes (a
+        commit follows: their readers get them before they hear of the commit)."""
+        if self._bus is not None:
+            await self._bus.flush()
 
     def cancel(self, sid: str, turn_id: str) -> None:
         """A cancel of the turn was committed: the process running it (this one or another)
         stops its model call now rather than at its next commit."""
         self._cancelled(sid, turn_id)
-        if self._relay is not None:
-            self._relay.cancel(sid, turn_id)
+        if self._bus is not None:
+            self._bus.cancel(sid, turn_id)
+
+    @contextlib.contextmanager
+    def cancellable(self, sid: str, turn_id: str, stop: Callable[[], None]) -> Iterator[None]:
+        """While this lasts, a cancel of the turn, asked here or in another process, calls `stop`
+        (a model call of the turn, which closes its provider's stream)."""
+        self._cancellable[sid] = (turn_id, stop)
+        try:
+            yield
+        finally:
+            if self._cancellable.get(sid, (None,))[0] == turn_id:
+                del self._cancellable[sid]
+
+    def _cancelled(self, sid: str, turn_id: str) -> None:
+        running = self._cancellable.get(sid)
+        if running is not None and running[0] == turn_id:
+            running[1]()
 
     def ended(self, sid: str) -> None:
         """The session was deleted: its watches here and in other processes end."""
         self._ended_here(sid)
-        if self._relay is not None:
-            self._relay.ended(sid)
+        if self._bus is not None:
+            self._bus.ended(sid)
 
     def _ended_here(self, sid: str) -> None:
         for w in self._watches.get(sid, ()):
             w.end("deleted")
 
-    async def flush_live(self) -> None:
-        if self._relay is not None:
-            await self._relay.flush()
-
     def _arrived(self, sid: str, event: LiveEvent) -> None:
         for w in self._watches.get(sid, ()):
             if w.live:
                 w.push_live(event)
+
+    # ---- readers ------------------------------------------------------------------------------
 
     @contextlib.asynccontextmanager
     async def watch(self, sid: str, *, settled_only: bool = False, live: bool = True) -> AsyncIterator[Watch]:
@@ -249,12 +278,12 @@ class EventHub:
         w = Watch(settled_only=settled_only, live=live)
         self._watches.setdefault(sid, set()).add(w)
         try:
-            if self._relay is not None:
-                self._relay.follow(sid)
+            if self._bus is not None:
+                self._bus.follow(sid)
             yield w
         finally:
-            if self._relay is not None:
-                self._relay.unfollow(sid)
+            if self._bus is not None:
+                self._bus.unfollow(sid)
             ws = self._watches.get(sid)
             if ws is not None:
                 ws.discard(w)
@@ -264,16 +293,9 @@ class EventHub:
                     self._passed.discard(sid)
 
     def start(self) -> None:
-        if self._relay is not None:
-            self._relay.start()
+        if self._bus is not None:
+            self._bus.start()
 
     async def stop(self) -> None:
-        if self._relay is not None:
-            await self._relay.stop()
-
-    def poke(self) -> None:
-        """A session stopped running here: the ones whose notices were passed over meanwhile
-        (perhaps for a commit made elsewhere) have their readers read."""
-        for sid in [s for s in self._passed if not self._runs_here(s)]:
-            self._passed.discard(sid)
-            self._missed(sid)
+        if self._bus is not None:
+            await self._bus.stop()

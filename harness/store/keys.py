@@ -1,4 +1,6 @@
-"""Every Redis key keel uses. All keys of one session share the hash tag `{<session_id>}`, so an
+"""Every Redis key keel uses.
+
+Every Redis key keel uses. All keys of one session share the hash tag `{<session_id>}`, so an
 atomic operation on a session touches one cluster slot."""
 
 from __future__ import annotations

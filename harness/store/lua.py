@@ -1,4 +1,6 @@
-"""The atomic operations on a session, as Lua scripts. Each touches only keys of one session
+"""The atomic operations on a session, as Lua scripts.
+
+The atomic operations on a session, as Lua scripts. Each touches only keys of one session
 (one hash tag, so one cluster slot) and is the only way the harness changes that session.
 
 Each script here is a body: `protocol.Script` puts in front of it the prelude that names its
@@ -111,7 +113,7 @@ local function create_session(C)
   redis.call('HSET', K.meta, 'owner', C.owner, 'created_at', C.created_at, 'metadata', C.metadata,
     'status', 'idle', 'seq', 0, 'fence', 0, 'turn', '', 'turn_start', 0, 'hist_start', 0,
     'waiting_on', '', 'undecided', 0, 'cancel', '')
-  return emit(C.retention, 'session.created', C.body)
+  return emit(C.retention, EV.SessionCreated, C.body)
 end
 """
 
@@ -161,7 +163,7 @@ end
 redis.call('HSET', K.decisions, A.request_id, A.answer)
 expire_with_meta(K.decisions)
 local resolved = body(turn_id, A.now, A.data)
-local id = emit(A.retention, 'input.resolved', resolved)
+local id = emit(A.retention, EV.InputResolved, resolved)
 local left = -1
 local waiting_on = ' ' .. (redis.call('HGET', K.meta, 'waiting_on') or '') .. ' '
 if string.find(waiting_on, ' ' .. A.request_id .. ' ', 1, true) then

@@ -1,6 +1,7 @@
-"""The scripts that are not a session's own operations: the delivery relay's (keys:
-`DeliveryKeys`, `RelayKeys`) and the rate limiter's token bucket (`QuotaKeys`). Each is a body
-as the session's scripts in `lua` are (`protocol.Script` puts the prelude in front of it, and it
+"""The delivery relay's Lua scripts.
+
+The delivery relay's scripts (keys: `DeliveryKeys`, `RelayKeys`). Each is a body as the
+session's scripts in `lua` are (`protocol.Script` puts the prelude in front of it, and it
 answers one MessagePack map), built on `lua`'s shared helpers.
 """
 
@@ -83,26 +84,5 @@ for _, what in ipairs(due) do
   redis.call('XADD', K.jobs, '*', 's', what)
 end
 return reply({n = #due})
-"""
-)
-
-# A token bucket (a caller's rate limit): `capacity` tokens, refilled at capacity per `period_ms`,
-# on the server's clock (every process agrees). Takes one token, or says in how many ms one will
-# be there. A full bucket needs no key: it expires when it would be full again.
-TAKE_TOKEN = (
-    _COMMON
-    + """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local b = redis.call('HMGET', K.bucket, 'tokens', 'at')
-local tokens = tonumber(b[1]) or A.capacity
-local at = tonumber(b[2]) or now
-if now > at then tokens = math.min(A.capacity, tokens + (now - at) * A.capacity / A.period_ms) end
-if tokens < 1 then
-  return reply({tag = 'limited', retry_ms = math.ceil((1 - tokens) * A.period_ms / A.capacity)})
-end
-redis.call('HSET', K.bucket, 'tokens', tostring(tokens - 1), 'at', now)
-redis.call('PEXPIRE', K.bucket, A.period_ms)
-return reply({tag = 'ok'})
 """
 )

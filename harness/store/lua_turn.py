@@ -1,4 +1,6 @@
-"""The turn's scripts: SUBMIT (a message, perhaps its session and its turn's beginning), BEGIN,
+"""The turn's Lua scripts: SUBMIT, BEGIN, COMMIT, USAGE, ATTEMPT.
+
+The turn's scripts: SUBMIT (a message, perhaps its session and its turn's beginning), BEGIN,
 COMMIT, and the provider attempts' accounting (USAGE, ATTEMPT). Bodies as in `lua`, built on
 its shared helpers; `lua`'s docstring describes the meta fields and the events' storage.
 """
@@ -16,7 +18,7 @@ local function record_usage(retention, u)
   redis.call('HINCRBY', K.meta, 'u_cached', u.cached_tokens)
   if u.cache_write_tokens > 0 then redis.call('HINCRBY', K.meta, 'u_cwrite', u.cache_write_tokens) end
   if u.last_est then redis.call('HSET', K.meta, 'last_in', u.input_tokens, 'last_est', u.last_est) end
-  return emit(retention, 'usage.recorded', u.body)
+  return emit(retention, EV.UsageRecorded, u.body)
 end
 """
 
@@ -66,10 +68,10 @@ local function begin_turn(B)
       'waiting_on', '', 'undecided', 0, 'held', 1)
     local started = nil
     if kind == 'message' then
-      started = {'turn.started', '{"message_id":' .. cjson.encode(m.message_id) .. '}'}
+      started = {EV.TurnStarted, '{"message_id":' .. cjson.encode(m.message_id) .. '}'}
       if not cancel then redis.call('HINCRBY', K.meta, 'u_calls', 1) end  -- the model call that comes next
     elseif kind == 'compact' then
-      started = {'compaction.requested', '{"reason":"manual"}'}
+      started = {EV.CompactionRequested, '{"reason":"manual"}'}
     end
     if started then
       out.started_body = body(m.turn_id, B.now, started[2])
@@ -127,7 +129,7 @@ if prev then
 end
 -- (the inbox's head is the turn in progress: `max_queued` may wait behind it)
 if A.max_queued > 0 and redis.call('LLEN', K.inbox) > A.max_queued then return reply({tag = 'full'}) end
-local id = emit(A.retention, 'message.received', A.body)
+local id = emit(A.retention, EV.MessageReceived, A.body)
 local out = {tag = 'new', id = id, seq = last_seq, created = created}
 redis.call('HSET', K.mids, A.message_id, A.turn_id .. ' ' .. id)
 if redis.call('HLEN', K.mids) == 1 then expire_with_meta(K.mids) end
@@ -190,7 +192,7 @@ for _, r in ipairs(A.requests) do redis.call('HSET', K.pending, r.request_id, r.
 local resolved = {}  -- which of the given answers were set (and emitted), 0-based
 for j, a in ipairs(A.answers) do
   if redis.call('HSETNX', K.decisions, a.request_id, a.json) == 1 then
-    ids[#ids + 1] = emit(A.retention, 'input.resolved', a.body)
+    ids[#ids + 1] = emit(A.retention, EV.InputResolved, a.body)
     resolved[#resolved + 1] = j - 1
   end
 end

@@ -1,4 +1,6 @@
-"""Reading a session's committed events: a replay of its outbox stream after a position, then
+"""Reading a session's committed events: a replay, then live.
+
+Reading a session's committed events: a replay of its outbox stream after a position, then
 what follows, live. The events this process committed come from the hub (the same bytes a read
 gives) when they continue exactly where the reader is; anything else is read from the stream,
 which is always the truth. A reader of a session that ends is told (`session.deleted`, the last
@@ -11,18 +13,43 @@ import asyncio
 from collections import deque
 from collections.abc import AsyncIterator
 
-from harness.events import LiveEvent, StoredEvent, completed_item, session_deleted
+from harness.events import LiveEvent, MessageCompleted, StoredEvent, envelope, session_deleted
+from harness.store import streamids
+from harness.store.client import Client, translated
+from harness.store.clusterwire import AnyWire
 from harness.store.hub import EventHub, Watch
-from harness.store.sessions import Store
+from harness.store.keys import SessionKeys
 
 BATCH = 200  # events read from the stream at once
 COMPLETED_KEPT = 32  # items a reader remembers as completed, to drop their late live events
 
 
 class Outbox:
-    def __init__(self, store: Store, hub: EventHub) -> None:
-        self.store = store
+    def __init__(self, redis: Client, wire: AnyWire, hub: EventHub) -> None:
+        self.redis = redis
+        self.wire = wire
         self.hub = hub
+
+    @translated
+    async def events(self, sid: str, after: str = streamids.START, count: int = BATCH) -> list[StoredEvent]:
+        """Events after stream id `after` (START: from the first). By the wire: a reader's read,
+        on its path, and cancellable (redis-py's write, in `wait_for` on Python 3.11, can swallow
+        the cancellation of a reader that goes away)."""
+        start = f"({after}" if after != streamids.START else "-"
+        (raw,) = await self.wire.call([("XRANGE", SessionKeys(sid).outbox, start, "+", "COUNT", count)])
+        if isinstance(raw, Exception):
+            raise raw
+        return [envelope(sid, eid, dict(zip(f[::2], f[1::2], strict=True))) for eid, f in raw]
+
+    async def event(self, sid: str, event_id: str) -> StoredEvent | None:
+        """The event `event_id`, if the outbox still holds it."""
+        found = await self.events(sid, streamids.before(event_id), count=1)
+        return found[0] if found and found[0].id == event_id else None
+
+    @translated
+    async def exists(self, sid: str) -> bool:
+        """Whether the session is there (a reader's look: no owner check)."""
+        return bool(await self.redis.exists(SessionKeys(sid).meta))
 
     async def next(self, sid: str, watch: Watch, after: str) -> tuple[list[StoredEvent], bool]:
         """The events after `after`: those this process handed the watch, if they continue it,
@@ -30,7 +57,7 @@ class Outbox:
         batch = watch.take()
         from_stream = batch is None
         if batch is None:
-            batch = await self.store.events(sid, after, count=BATCH)
+            batch = await self.events(sid, after, count=BATCH)
         watch.advance(batch)
         return batch, from_stream and len(batch) == BATCH
 
@@ -48,7 +75,7 @@ class Outbox:
             read = True
             if gate is not None:
                 async with gate:
-                    first = await self.store.events(sid, after, count=BATCH)
+                    first = await self.events(sid, after, count=BATCH)
                 for event in first:
                     yield event
                     _note_completed(completed, event)
@@ -74,7 +101,7 @@ class Outbox:
                         after = batch[-1].id
                     if more:
                         continue
-                    if look and not batch and not await self.store.exists(sid):
+                    if look and not batch and not await self.exists(sid):
                         yield session_deleted(sid, "gone")
                         return
                 replayed = True
@@ -90,6 +117,6 @@ class Outbox:
 
 
 def _note_completed(completed: deque[str], event: StoredEvent) -> None:
-    item = completed_item(event)
-    if item is not None:
-        completed.append(item)
+    done = event.of(MessageCompleted)
+    if done is not None:
+        completed.append(done.data.item_id)

@@ -2,28 +2,39 @@
 
 A script gets its keys by name and one argument, its `...Args` Struct packed as MessagePack:
 the Lua prelude that `Script` puts in front of each script makes them `K.<name>` and
-`A.<field>`. It answers one MessagePack map, decoded here into its reply Struct (a tagged union
-where a script has several outcomes). Nothing outside this module indexes a reply or lays out
-an argument list, and no JSON is cut or spliced: stored JSON (history items, inbox entries,
+`A.<field>`. A script names the events it writes as `EV.<Event>` (`EV.TurnStarted`),
+which `Script` replaces with the type's name from the catalogue (`harness.events`). It
+answers one MessagePack map, decoded here into its reply Struct (a tagged union where a
+script has several outcomes). Nothing outside this module indexes a reply or lays out an
+argument list, and no JSON is cut or spliced: stored JSON (history items, inbox entries,
 event bodies) travels as strings and is written byte for byte. Redis's Lua MessagePack has no
 `bin` type, so those strings are text (UTF-8 JSON, as msgspec writes it).
 
-The delivery relay's scripts and the rate limiter's are in `protocol_relay`.
+The delivery relay's scripts are in `protocol_relay`, the rate limiter's in `quotas`.
 """
 
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Sequence
-from typing import Any, Generic, Literal, TypeVar
+from typing import Any, Generic, TypeVar
 
 import msgspec
 
+from harness import events
 from harness.store import lua, lua_turn
 from harness.store.keys import DeliveryKeys, QuotaKeys, RelayKeys, SessionKeys
+from harness.store.types import CommitMode
 
 R_co = TypeVar("R_co", covariant=True)
 _pack = msgspec.msgpack.Encoder().encode
+_EVENT_TYPE = re.compile(r"\bEV\.([A-Z][A-Za-z]+)\b")
+
+
+def _event_types(body: str) -> str:
+    """The script with `EV.<Event>` replaced by that event's type name, from the catalogue."""
+    return _EVENT_TYPE.sub(lambda m: "'" + getattr(events, m.group(1)).TYPE + "'", body)
 
 
 class Script(Generic[R_co]):
@@ -33,7 +44,7 @@ class Script(Generic[R_co]):
     def __init__(self, body: str, keys: Sequence[str], reply: Any) -> None:
         # (`reply`: the reply's type, a Struct or a union of them: the constants below say which)
         names = ", ".join(f"{name} = KEYS[{n}]" for n, name in enumerate(keys, start=1))
-        self.source = f"local K = {{{names}}}\nlocal A = cmsgpack.unpack(ARGV[1])\n{body}"
+        self.source = f"local K = {{{names}}}\nlocal A = cmsgpack.unpack(ARGV[1])\n{_event_types(body)}"
         self.sha = hashlib.sha1(self.source.encode()).hexdigest()
         self.key_names = tuple(keys)
         self._decode = msgspec.msgpack.Decoder(reply).decode
@@ -123,7 +134,7 @@ class LeaseTaken(Reply, tag="busy"):
     retry_ms: int
 
 
-class Empty(Reply, tag="empty"):
+class InboxEmpty(Reply, tag="empty"):
     pass
 
 
@@ -131,7 +142,7 @@ class Waiting(Reply, tag="waiting"):
     pass
 
 
-BeginReply = Began | LeaseTaken | Empty | Waiting | Missing
+BeginReply = Began | LeaseTaken | InboxEmpty | Waiting | Missing
 
 
 # ---- SUBMIT, ENQUEUE ---------------------------------------------------------------------
@@ -200,9 +211,6 @@ class EventArg(msgspec.Struct, frozen=True):
     body: str
 
 
-CommitMode = Literal["step", "final", "pause"]
-
-
 class CommitArgs(msgspec.Struct, frozen=True):
     fence: str
     turn_id: str
@@ -221,7 +229,7 @@ class CommitArgs(msgspec.Struct, frozen=True):
     ttl_ms: int = 0  # with 'final' or 'pause': every key of the session expires this long from now (0: never)
 
 
-class CommitOutcome(Reply):
+class CommitWritten(Reply):
     ids: list[str]  # the events written, in order
     length: int  # the history list's length after the commit
     first_seq: int  # the seq of the first of them
@@ -229,23 +237,23 @@ class CommitOutcome(Reply):
     cancel: bool = False  # a cancel was asked for this turn
 
 
-class Stepped(CommitOutcome, tag="ok"):
+class StepDone(CommitWritten, tag="ok"):
     pass
 
 
-class More(CommitOutcome, tag="more"):
+class EndedMore(CommitWritten, tag="more"):
     """Final commit, and the inbox has another message: the lease is kept."""
 
 
-class Finished(CommitOutcome, tag="done"):
+class EndedIdle(CommitWritten, tag="done"):
     """Final commit, inbox empty: the lease is released."""
 
 
-class Paused(CommitOutcome, tag="paused"):
+class PausedTurn(CommitWritten, tag="paused"):
     """The session now waits for answers; the lease is released."""
 
 
-class Dropped(CommitOutcome, tag="dropped"):
+class DroppedStep(CommitWritten, tag="dropped"):
     """A guarded commit found a cancel pending: nothing but the usage was written."""
 
 
@@ -254,7 +262,7 @@ class Stale(Reply, tag="stale"):
     when the session is no more)."""
 
 
-CommitReply = Stepped | More | Finished | Paused | Dropped | Stale
+CommitReply = StepDone | EndedMore | EndedIdle | PausedTurn | DroppedStep | Stale
 
 
 class RecordUsageArgs(msgspec.Struct, frozen=True):
@@ -278,7 +286,7 @@ class RespondArgs(msgspec.Struct, frozen=True):
     data: str  # the input.resolved event's data (JSON)
 
 
-class Recorded(Reply, tag="ok"):
+class AnswerSet(Reply, tag="ok"):
     id: str
     seq: int
     body: str
@@ -299,7 +307,7 @@ class CancelArgs(msgspec.Struct, frozen=True):
     once: str = ""  # the request's own id: a repeat of it changes nothing
 
 
-class Cancelling(Reply, tag="ok"):
+class CancelSet(Reply, tag="ok"):
     turn_id: str
 
 
@@ -346,10 +354,10 @@ SUBMIT: Script[New | Duplicate | Full | Missing] = Script(lua_turn.SUBMIT, _ALL,
 COMMIT: Script[CommitReply] = Script(lua_turn.COMMIT, _ALL, CommitReply)
 USAGE: Script[Added | Stale] = Script(lua_turn.USAGE, ("meta", "outbox"), Added | Stale)
 ATTEMPT: Script[Count] = Script(lua_turn.ATTEMPT, ("meta",), Count)
-RESPOND: Script[Recorded | Answered | Unknown | Missing] = Script(
-    lua.RESPOND, ("meta", "pending", "decisions", "outbox"), Recorded | Answered | Unknown | Missing
+RESPOND: Script[AnswerSet | Answered | Unknown | Missing] = Script(
+    lua.RESPOND, ("meta", "pending", "decisions", "outbox"), AnswerSet | Answered | Unknown | Missing
 )
-CANCEL: Script[Cancelling | Idle | Missing] = Script(lua.CANCEL, ("meta", "inbox", "mids"), Cancelling | Idle | Missing)
+CANCEL: Script[CancelSet | Idle | Missing] = Script(lua.CANCEL, ("meta", "inbox", "mids"), CancelSet | Idle | Missing)
 RENEW: Script[Held] = Script(lua.RENEW, ("lease",), Held)
 RELEASE: Script[Held] = Script(lua.RELEASE, ("lease", "meta"), Held)
 # (the keys of each destination's delivery state and lease follow the session's own)

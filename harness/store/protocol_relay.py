@@ -1,12 +1,14 @@
-"""The protocol of the scripts in `lua_relay`, as `protocol` has the session's: the delivery
-relay's (keys: `DeliveryKeys`, `RelayKeys`) and the rate limiter's token bucket (`QuotaKeys`)."""
+"""The typed arguments and replies of the delivery relay's scripts.
+
+The protocol of the delivery relay's scripts in `lua_relay` (keys: `DeliveryKeys`,
+`RelayKeys`), as `protocol` has the session's."""
 
 from __future__ import annotations
 
 import msgspec
 
 from harness.store import lua_relay
-from harness.store.protocol import Count, Done, Reply, Script
+from harness.store.protocol import Count, Reply, Script
 
 # ---- RELAY_TAKE, RELAY_MARK ----------------------------------------------------------------
 
@@ -45,20 +47,6 @@ class PromoteArgs(msgspec.Struct, frozen=True):
     limit: int = 100
 
 
-# ---- TAKE_TOKEN ----------------------------------------------------------------------------
-
-
-class TakeTokenArgs(msgspec.Struct, frozen=True):
-    capacity: int
-    period_ms: int
-
-
-class NoToken(Reply, tag="limited"):
-    """No token: one will be there in `retry_ms`."""
-
-    retry_ms: int
-
-
 RELAY_TAKE: Script[RelayHeld | RelayBusy] = Script(
     lua_relay.RELAY_TAKE, ("lease", "state", "meta", "relays"), RelayHeld | RelayBusy
 )
@@ -66,5 +54,4 @@ RELAY_MARK: Script[RelayHeld | RelayLost] = Script(
     lua_relay.RELAY_MARK, ("lease", "state", "meta", "outbox", "inbox"), RelayHeld | RelayLost
 )
 RELAY_PROMOTE: Script[Count] = Script(lua_relay.RELAY_PROMOTE, ("later", "jobs"), Count)
-TAKE_TOKEN: Script[Done | NoToken] = Script(lua_relay.TAKE_TOKEN, ("bucket",), Done | NoToken)
-SCRIPTS: tuple[Script[object], ...] = (TAKE_TOKEN, RELAY_PROMOTE, RELAY_TAKE, RELAY_MARK)
+SCRIPTS: tuple[Script[object], ...] = (RELAY_PROMOTE, RELAY_TAKE, RELAY_MARK)

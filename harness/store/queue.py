@@ -1,30 +1,34 @@
-"""The turn job stream. A job says only "session X has work": the session inbox is the truth,
+"""The job streams: jobs, their ids, their acknowledgements.
+
+The job streams. A turn job says only "session X has work": the session inbox is the truth,
 so a duplicate job is harmless and a job is acknowledged once its session's inbox was drained
-(or handed to a live lease holder)."""
+(or handed to a live lease holder). Jobs are `JobId`s, ordered as the stream orders them (a
+session's jobs are all on one stream, so its jobs compare); acknowledgements are batched here."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import os
 import socket
 import time
-from typing import Any, NamedTuple
+from collections.abc import Sequence
+from typing import Any
 
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ResponseError
 
 from harness.store.client import Client, translated
 from harness.store.keys import JOBS, JOBS_GROUP, job_shard, job_streams
+from harness.store.streamids import StreamId
+from harness.types import Depth
 
+log = logging.getLogger("keel.runner")
 CLUSTER_SHARDS = 8  # job streams on a cluster by default: spread over up to 8 primaries
-
-
-class Depth(NamedTuple):
-    """The job stream now: jobs not yet done (unread, or read and not acknowledged), and the
-    age of the oldest of them in seconds (0 with none)."""
-
-    jobs: int
-    oldest_s: float
+ACK_BATCH = 256  # acknowledge at once when this many jobs wait ...
+ACK_DELAY_S = 0.05  # ... else after this long, together
+JobId = StreamId  # a job: its place in its stream (a session's jobs compare; str() is its id)
 
 
 def consumer_name() -> str:
@@ -53,7 +57,7 @@ class JobQueue:
                 raise
 
     @translated
-    async def take(self, count: int, block_ms: int) -> list[tuple[str, str]]:
+    async def take(self, count: int, block_ms: int) -> list[tuple[JobId, str]]:
         """New jobs for this consumer: (job id, what the job says: a session id for a turn
         job). A stream or group that is gone (Redis restarted without persistence, or flushed)
         is made again, from its start."""
@@ -66,10 +70,10 @@ class JobQueue:
                 raise
             await self.ensure_group()
             return []
-        return [(jid.decode(), fields[b"s"].decode()) for _, entries in res for jid, fields in entries]
+        return [(JobId.parse(jid.decode()), fields[b"s"].decode()) for _, entries in res for jid, fields in entries]
 
     @translated
-    async def reclaim(self, min_idle_ms: int, count: int = 100) -> list[tuple[str, str]]:
+    async def reclaim(self, min_idle_ms: int, count: int = 100) -> list[tuple[JobId, str]]:
         """Jobs another consumer took and has not finished for `min_idle_ms` (it may be dead)."""
         try:
             claimed: Any = await self.redis.xautoclaim(
@@ -83,7 +87,7 @@ class JobQueue:
             return []
         self._claim_from = claimed[0].decode()  # next call goes on from here ("0-0": round again)
         entries = claimed[1]
-        return [(jid.decode(), fields[b"s"].decode()) for jid, fields in entries if fields]
+        return [(JobId.parse(jid.decode()), fields[b"s"].decode()) for jid, fields in entries if fields]
 
     @translated
     async def depth(self) -> Depth:
@@ -94,14 +98,15 @@ class JobQueue:
             length, first = await pipe.execute()
         if not first:
             return Depth(int(length), 0.0)
-        ms = int(first[0][0].split(b"-")[0])
+        ms = StreamId.parse(first[0][0].decode()).ms
         return Depth(int(length), max(0.0, time.time() - ms / 1000))
 
     @translated
-    async def done(self, *job_ids: str) -> None:
+    async def done(self, *job_ids: JobId | str) -> None:
+        ids = [str(j) for j in job_ids]
         async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.xack(self.stream, self.group, *job_ids)
-            pipe.xdel(self.stream, *job_ids)
+            pipe.xack(self.stream, self.group, *ids)
+            pipe.xdel(self.stream, *ids)
             await pipe.execute()
 
 
@@ -115,18 +120,54 @@ class JobShards:
         if shards <= 0:
             shards = CLUSTER_SHARDS if isinstance(redis, RedisCluster) else 1
         self.queues = [JobQueue(redis, consumer=consumer, stream=s) for s in job_streams(shards)]
+        self._acks: list[tuple[str, JobId]] = []  # (session, job): done soon, together
+        self._acking: asyncio.Task[None] | None = None
 
     def of(self, sid: str) -> JobQueue:
         return self.queues[job_shard(sid, len(self.queues))]
 
     def job(self, sid: str) -> tuple[str, ...]:
         """The command that adds the job for `sid` (sent with the write it goes with); its
-        reply is the job id."""
+        reply is the job id (`JobId.parse` it)."""
         return ("XADD", self.of(sid).stream, "*", "s", sid)
 
     async def ensure_groups(self) -> None:
         for queue in self.queues:
             await queue.ensure_group()
+
+    async def done(self, sid: str, jobs: Sequence[JobId]) -> None:
+        """Acknowledge (and delete) the session's jobs now."""
+        if jobs:
+            await self.of(sid).done(*jobs)
+
+    def ack(self, sid: str, job: JobId) -> None:
+        """Acknowledge the session's job soon, with others (lost in a crash, it is reclaimed and
+        finds nothing to do)."""
+        self._acks.append((sid, job))
+        if self._acking is None:
+            self._acking = asyncio.create_task(self._flush_acks())
+
+    async def _flush_acks(self) -> None:
+        try:
+            if len(self._acks) < ACK_BATCH:
+                await asyncio.sleep(ACK_DELAY_S)
+            while self._acks:
+                batch, self._acks = self._acks, []
+                by_queue: dict[int, list[JobId]] = {}
+                for sid, job in batch:
+                    by_queue.setdefault(job_shard(sid, len(self.queues)), []).append(job)
+                for n, jobs in sorted(by_queue.items()):
+                    await self.queues[n].done(*jobs)
+        except Exception as exc:
+            log.warning("runner: acknowledging jobs failed (%s); they will be reclaimed", exc)
+        finally:
+            self._acking = None
+
+    async def flush(self) -> None:
+        """Wait for the acknowledgements in flight (a runner that stops)."""
+        if self._acking is not None:
+            with contextlib.suppress(Exception):
+                await self._acking
 
     async def depth(self) -> Depth:
         """Jobs not done on every shard; the oldest's age over them all."""

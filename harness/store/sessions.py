@@ -1,7 +1,14 @@
-"""The session store: every change to a session is one script of `protocol`, guarded where it
+"""The session store (`Store`): a session's commands, its turns', and what it publishes.
+
+The session store: every change to a session is one script of `protocol`, guarded where it
 matters by the session lease's fencing token; reads are plain commands. The turn's scripts
-(SUBMIT with its job, BEGIN, COMMIT) and the rest go by the `Wire`. The turn's own operations
-(BEGIN, COMMIT, the attempts' accounting) are in `turns`.
+(SUBMIT with its job, BEGIN, COMMIT) and the rest go by the `Wire`.
+
+The store publishes what it commits: every command that writes events hands them (byte for byte
+what a read of the outbox returns) to the `EventHub` it owns, for this process's readers, and
+counts them. A commit that settles a turn also queues the relay jobs of webhooks its owner made
+while the turn ran. Where a command delivers to is the caller's destination (a webhook
+channel's), else the owner's event webhooks (`Subscriptions.targets`).
 
 A session ends when it is deleted (`delete`: every key at once) or, with `ttl_ms`, when it was
 left alone that long (every key but the lease expires at the same moment, kept by the scripts
@@ -9,6 +16,8 @@ that create it, take a message, and end or pause a turn: at most an hour early, 
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
 import time
 from collections.abc import Sequence
@@ -17,32 +26,76 @@ from typing import Any, TypeVar
 import msgspec
 from redis.asyncio.cluster import RedisCluster
 
-from harness.errors import Conflict, Limited, NotFound, Unavailable
-from harness.events import StoredEvent, envelope, event_body, made
+from harness import failpoints
+from harness.errors import Conflict, Limited, NotFound, StaleLease, Unavailable
+from harness.events import (
+    CompactionRequested,
+    InputResolved,
+    InputResolvedData,
+    MessageReceived,
+    MessageReceivedData,
+    Pending,
+    SessionCreated,
+    SessionCreatedData,
+    StoredEvent,
+    TurnStarted,
+    UsageRecordedData,
+    body,
+    made,
+    pending,
+    written,
+)
 from harness.store import protocol as p
-from harness.store import protocol_relay
+from harness.store import protocol_relay, quotas
 from harness.store.cache import HistoryCache
 from harness.store.client import Client, translated
 from harness.store.clusterwire import wire_for
-from harness.store.deliveries import relay_job
+from harness.store.deliveries import Deliveries, relay_job
+from harness.store.hooks import Subscriptions
+from harness.store.hub import EventHub
 from harness.store.keys import TOKEN_SECRET, DeliveryKeys, SessionKeys
-from harness.store.queue import JobShards
-from harness.store.turns import Turns
-from harness.store.types import Begun, Responded, Submitted
+from harness.store.outbox import Outbox
+from harness.store.queue import JobId, JobShards
+from harness.store.types import (
+    AlreadyAnswered,
+    AwaitingAnswers,
+    BeginOutcome,
+    Begun,
+    Busy,
+    CancelAsked,
+    Cancelling,
+    CancelPending,
+    Commit,
+    CommitMode,
+    Ended,
+    NothingToCancel,
+    NoWork,
+    Recorded,
+    Responded,
+    SessionMeta,
+    Stepped,
+    Submitted,
+    UsageRecord,
+    Withheld,
+)
 from harness.store.wire import Replicas
+from harness.telemetry.metrics import HarnessStats
 from harness.types import (
     Answer,
     ApprovalRequest,
     InboxMessage,
     Item,
+    Usage,
     answer_decoder,
+    inbox_decoder,
     item_decoder,
     request_decoder,
 )
 
+log = logging.getLogger("keel")
 R = TypeVar("R")
-CommitMode = p.CommitMode
 _enc = msgspec.json.Encoder()
+_metadata = msgspec.json.Decoder(dict[str, Any])
 KNOWN_MAX = 100_000
 DELETE_TRIES = 5  # a delete that finds a relay begun on another destination reads `relays` again
 
@@ -51,7 +104,7 @@ def _missing(sid: str) -> NotFound:
     return NotFound(f"no session {sid}", code="session_not_found")
 
 
-class Store(Turns):
+class Store:
     def __init__(
         self,
         redis: Client,
@@ -63,54 +116,80 @@ class Store(Turns):
         replicas: int = 0,
         replica_wait_ms: int = 1000,
         ttl_ms: int = 0,
+        stats: HarnessStats | None = None,
     ) -> None:
         self.redis = redis
         # every script goes this way; with `replicas`, each waits for that many (KEEL_DURABILITY)
         self.wire = wire_for(redis, Replicas(replicas, replica_wait_ms) if replicas else None)
         self.jobs = JobShards(redis, job_shards)
+        self.hub = EventHub(redis, self.wire)
+        self.outbox = Outbox(redis, self.wire, self.hub)
+        self.hooks = Subscriptions(redis)
+        self.deliveries = Deliveries(redis, self.wire)
+        self.buckets = quotas.RateBuckets(self.wire)
+        self.stats = stats or HarnessStats()
         self.retention = retention
         self.ttl_ms = ttl_ms  # a session left alone this long expires, all of it (0: never)
         self.max_queued = max_queued  # messages that may wait behind a session's current turn (0: any)
         self._known: dict[str, str] = {}  # session id -> owner, seen to exist
         self._cache = HistoryCache(cache_sessions)
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    @translated
+    async def start(self) -> None:
+        """Have Redis know every script before the first one runs, the job streams' groups made,
+        and the hub listening. (A Redis that forgets the scripts later, restarted or flushed,
+        answers NOSCRIPT, and the caller loads and runs again; a submit then adds its job twice,
+        which is harmless.)"""
+        await self.jobs.ensure_groups()
+        scripts = (*p.SCRIPTS, *protocol_relay.SCRIPTS, *quotas.SCRIPTS)
+        if isinstance(self.redis, RedisCluster):  # (on every primary; redis-py's cluster pipeline has no SCRIPT LOAD)
+            for script in scripts:
+                await self.redis.script_load(script.source)
+        else:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for script in scripts:
+                    pipe.script_load(script.source)
+                await pipe.execute()
+        self.hub.start()
 
     async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await self.jobs.flush()
+        await self.hub.stop()
         await self.wire.close()
 
     @translated
     async def ping(self) -> None:
         await self.redis.ping()
 
-    @translated
-    async def load_scripts(self) -> None:
-        """Have Redis know every script before the first one runs. (A Redis that forgets them
-        later, restarted or flushed, answers NOSCRIPT, and the caller loads and runs again; a
-        submit then adds its job twice, which is harmless.)"""
-        if isinstance(self.redis, RedisCluster):  # (on every primary; redis-py's cluster pipeline has no SCRIPT LOAD)
-            for script in p.SCRIPTS:
-                await self.redis.script_load(script.source)
-            return
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for script in (*p.SCRIPTS, *protocol_relay.SCRIPTS):
-                pipe.script_load(script.source)
-            await pipe.execute()
-
     async def _run(self, script: p.Script[R], sid: str, args: msgspec.Struct) -> R:
         raw = await self.wire.script(script.sha, script.source, script.keys(SessionKeys(sid)), script.args(args))
         return script.reply(raw)
 
+    def _published(self, sid: str, events: list[StoredEvent], *, settled: bool = False) -> None:
+        """What this process committed: counted, handed to its readers; a settled turn's owner's
+        new webhooks get their relay jobs."""
+        if events:
+            self.stats.committed(events)
+            self.hub.publish(sid, events, settled=settled)
+        if settled:
+            self._settled(sid)
+
     # ---- session lifecycle -------------------------------------------------------------
 
     @translated
-    async def create(
-        self, sid: str, owner: str, metadata: dict[str, Any], *, deliver_to: Sequence[str] = ()
-    ) -> StoredEvent:
-        body = event_body(None, {"metadata": metadata})
+    async def create(self, sid: str, owner: str, metadata: dict[str, Any]) -> StoredEvent:
+        """A new session of `owner` (Conflict if the id is taken), its session.created event,
+        and a relay job for each of the owner's webhooks, in one round trip."""
+        created = body(None, SessionCreatedData(metadata))
         metadata_json = _enc.encode(metadata).decode()
-        args = p.CreateArgs(owner, repr(time.time()), metadata_json, self.retention, body.decode(), self.ttl_ms)
-        if deliver_to:
+        args = p.CreateArgs(owner, repr(time.time()), metadata_json, self.retention, created.decode(), self.ttl_ms)
+        destinations = await self.hooks.targets(owner)
+        if destinations:
             keys = p.CREATE.keys(SessionKeys(sid))
-            also = [relay_job(sid, d) for d in deliver_to]
+            also = [relay_job(sid, d) for d in destinations]
             raw, *_ = await self.wire.script_with(p.CREATE.sha, p.CREATE.source, keys, p.CREATE.args(args), also)
             res = p.CREATE.reply(raw)
         else:
@@ -118,12 +197,15 @@ class Store(Turns):
         if isinstance(res, p.Exists):
             raise Conflict(f"session {sid} exists", code="session_exists")
         self._remember(sid, owner)
-        return made(sid, res.id, res.seq, "session.created", body)
+        event = made(sid, res.id, res.seq, SessionCreated.TYPE, created)
+        self._published(sid, [event])
+        return event
 
     @translated
     async def delete(self, sid: str, owner: str) -> str:
-        """Remove every key of the session, the delivery relay's too, in one script. Returns
-        the turn that was in progress ("" if none): its runner's next write is refused."""
+        """Remove every key of the session, the delivery relay's too, in one script; the turn
+        in progress is told to stop wherever it runs, and the session's readers everywhere that
+        it ended. Returns that turn ("" if none): its runner's next write is refused."""
         k = SessionKeys(sid)
         for _ in range(DELETE_TRIES):
             relays: Any = await self.redis.smembers(k.relays)
@@ -138,21 +220,32 @@ class Store(Turns):
             if isinstance(res, p.Deleted):
                 self._known.pop(sid, None)
                 self._cache.drop(sid)
+                if res.turn_id:
+                    self.hub.cancel(sid, res.turn_id)
+                self.hub.ended(sid)
                 return res.turn_id
         raise Unavailable(f"session {sid}: its deliveries kept changing; delete it again")
 
     @translated
-    async def exists(self, sid: str) -> bool:
-        """Whether the session is there (a reader's look: no owner check)."""
-        return bool(await self.redis.exists(SessionKeys(sid).meta))
-
-    @translated
-    async def meta(self, sid: str, owner: str) -> dict[str, str]:
+    async def meta(self, sid: str, owner: str) -> SessionMeta:
+        """The session's meta; NotFound if it is not there or not the owner's."""
         raw: Any = await self.redis.hgetall(SessionKeys(sid).meta)
         meta = {k.decode(): v.decode() for k, v in raw.items()}
         if not meta or meta.get("owner") != owner:
             raise _missing(sid)
-        return meta
+        return SessionMeta(
+            owner=owner,
+            status=meta["status"],
+            created_at=float(meta["created_at"]),
+            metadata=_metadata.decode(meta["metadata"]),
+            turn=meta.get("turn", ""),
+            waiting_on=tuple(meta.get("waiting_on", "").split()),
+            input_tokens=int(meta.get("u_in", 0)),
+            output_tokens=int(meta.get("u_out", 0)),
+            cached_tokens=int(meta.get("u_cached", 0)),
+            cache_write_tokens=int(meta.get("u_cwrite", 0)),
+            model_calls=int(meta.get("u_calls", 0)),
+        )
 
     @translated
     async def queued(self, sid: str) -> int:
@@ -167,65 +260,68 @@ class Store(Turns):
         *,
         begin_lease_ms: int | None = None,
         create: dict[str, Any] | None = None,
-        deliver_to: Sequence[str] = (),
-        look_first: bool = True,
+        deliver_to: str | None = None,
     ) -> Submitted:
         """Record a message with its message.received event and, in the same round trip, its
         session's job; a repeated message_id returns the first one's ids (and queues the job
         again: had the first attempt died before its job, the retry repairs it). With
         `begin_lease_ms`, a message that is alone in the inbox (lease free) has its turn begun
         in the same script: the Begun comes back too. With `create` (metadata), a session that
-        does not exist is created by the same script; with `deliver_to`, a relay job for each
-        destination goes in the same round trip. Without `look_first` (a webhook channel's
-        submit) it is one round trip whatever this process knows of the session."""
-        body = event_body(message.turn_id, {"message_id": message.message_id, "text": message.text})
+        does not exist is created by the same script; a relay job for `deliver_to` (a webhook
+        channel's destination: then it is one round trip whatever this process knows of the
+        session), else for each of the owner's webhooks, goes in the same round trip."""
+        received = body(message.turn_id, MessageReceivedData(message.message_id, message.text))
         begin = None
         have_start, have, epoch = self._cached(sid)
         if begin_lease_ms is not None:
             begin = p.BeginArgs("", begin_lease_ms, repr(time.time()), self.retention, have_start, len(have), epoch)
         new_session = None
-        created_body = event_body(None, {"metadata": create}) if create is not None else b""
+        created = body(None, SessionCreatedData(create)) if create is not None else b""
         if create is not None:
             metadata = _enc.encode(create).decode()
             new_session = p.CreateArgs(
-                owner, repr(time.time()), metadata, self.retention, created_body.decode(), self.ttl_ms
+                owner, repr(time.time()), metadata, self.retention, created.decode(), self.ttl_ms
             )
-        entry = _enc.encode(message).decode()
         args = p.SubmitArgs(
             owner,
             message.message_id,
             message.turn_id,
-            entry,
+            _enc.encode(message).decode(),
             self.retention,
-            body.decode(),
+            received.decode(),
             begin,
             new_session,
             self.max_queued,
             self.ttl_ms,
         )
-        also = [relay_job(sid, d) for d in deliver_to]
-        look = look_first and create is None
-        res, job_id = await self._with_job(p.SUBMIT, sid, owner, args, also=also, look_first=look)
+        destinations = [deliver_to] if deliver_to else await self.hooks.targets(owner)
+        look = deliver_to is None and create is None
+        res, job = await self._with_job(p.SUBMIT, sid, owner, args, destinations, look_first=look)
         if isinstance(res, p.Duplicate):
-            return Submitted(True, res.turn_id, res.received_id, None, None, job_id)
+            return Submitted(True, res.turn_id, res.received_id, job)
         if isinstance(res, p.Full):
             raise self._full()
         assert isinstance(res, p.New)
-        event = made(sid, res.id, res.seq, "message.received", body)
-        began = self._begun(sid, res.began, have) if res.began is not None else None
-        began_now = began if isinstance(began, Begun) else None
-        created = made(sid, res.created, res.seq - 1, "session.created", created_body) if res.created else None
-        return Submitted(False, message.turn_id, event.id, event, began_now, job_id, created)
+        event = made(sid, res.id, res.seq, MessageReceived.TYPE, received)
+        made_session = made(sid, res.created, res.seq - 1, SessionCreated.TYPE, created) if res.created else None
+        publish = [made_session, event] if made_session is not None else [event]
+        began = None
+        if res.began is not None:
+            outcome, started = self._begun(sid, res.began, have)
+            began = outcome if isinstance(outcome, Begun) else None
+            publish += [started] if started is not None else []
+        self._published(sid, publish)
+        return Submitted(False, message.turn_id, event.id, job, event, began, made_session)
 
     @translated
-    async def enqueue(self, sid: str, owner: str, entry: InboxMessage, *, deliver_to: Sequence[str] = ()) -> str:
+    async def enqueue(self, sid: str, owner: str, entry: InboxMessage) -> JobId:
         """Queue a compact or clear entry behind the session's turns, with its job (and relay
-        jobs for `deliver_to`) in the same round trip. Returns the job id."""
+        jobs for the owner's webhooks) in the same round trip. Returns the job."""
         args = p.EnqueueArgs(owner, _enc.encode(entry).decode(), self.max_queued)
-        res, job_id = await self._with_job(p.ENQUEUE, sid, owner, args, also=[relay_job(sid, d) for d in deliver_to])
+        res, job = await self._with_job(p.ENQUEUE, sid, owner, args, await self.hooks.targets(owner))
         if isinstance(res, p.Full):
             raise self._full()
-        return job_id
+        return job
 
     def _full(self) -> Limited:
         """The session's queue is full (nothing was written; the job that came along is harmless)."""
@@ -233,12 +329,12 @@ class Store(Turns):
         return Limited(message, code="queue_full", retry_after=1)
 
     @translated
-    async def add_job(self, sid: str) -> str:
-        """Queue a job for the session (it has work: an answer, a cancel). Returns its id."""
+    async def add_job(self, sid: str) -> JobId:
+        """Queue a job for the session (it has work: an answer, a cancel)."""
         (job_id,) = await self.wire.call([self.jobs.job(sid)])
         if isinstance(job_id, Exception):
             raise job_id
-        return str(job_id.decode())
+        return JobId.parse(job_id.decode())
 
     async def _with_job(
         self,
@@ -246,32 +342,46 @@ class Store(Turns):
         sid: str,
         owner: str,
         args: msgspec.Struct,
+        destinations: Sequence[str] = (),
         *,
-        also: Sequence[Sequence[Any]] = (),
         look_first: bool = True,
-    ) -> tuple[R, str]:
-        """Run an owner-checked script and add the session's job (and `also`), in one round
-        trip. A session this process has not seen is looked up first (unless not
-        `look_first`), so a request for an unknown one writes nothing; without the look, a
-        request for an unknown one leaves a job that finds nothing to do."""
+    ) -> tuple[R, JobId]:
+        """Run an owner-checked script and add the session's job (and a relay job for each of
+        `destinations`), in one round trip. A session this process has not seen is looked up
+        first (unless not `look_first`), so a request for an unknown one writes nothing; without
+        the look, a request for an unknown one leaves a job that finds nothing to do."""
         if look_first and self._known.get(sid) != owner:
             if await self.redis.hget(SessionKeys(sid).meta, "owner") != owner.encode():
                 raise _missing(sid)
             self._remember(sid, owner)
         keys = script.keys(SessionKeys(sid))
-        raw, job_id, *_ = await self.wire.script_with(
-            script.sha, script.source, keys, script.args(args), [self.jobs.job(sid), *also]
-        )
+        also = [self.jobs.job(sid), *(relay_job(sid, d) for d in destinations)]
+        raw, job_id, *_ = await self.wire.script_with(script.sha, script.source, keys, script.args(args), also)
         res = script.reply(raw)
         if isinstance(res, p.Missing):  # another owner's, or one deleted (or expired) since it was seen
             self._known.pop(sid, None)
             raise _missing(sid)
         self._remember(sid, owner)
-        return res, job_id.decode()
+        return res, JobId.parse(job_id.decode())
 
-    def owner_known(self, sid: str) -> str | None:
-        """The session's owner, if this process has seen it (no round trip)."""
-        return self._known.get(sid)
+    def _settled(self, sid: str) -> None:
+        """A turn here settled: if its owner has webhooks this process may not have queued a
+        relay job for (made while the turn ran), queue them now. A cheap look first: most
+        turns' owners are known here to have none."""
+        owner = self._known.get(sid)
+        if owner is None or self.hooks.known_none(owner):
+            return  # (a session this process never wrote for: its writer queued the jobs)
+        task = asyncio.get_running_loop().create_task(self._queue_hooks(sid, owner))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _queue_hooks(self, sid: str, owner: str) -> None:
+        try:
+            destinations = await self.hooks.targets(owner)
+            if destinations:
+                await self.add_relay_jobs(sid, destinations)
+        except Exception as exc:  # best effort: the next write to the session queues them too
+            log.warning("webhooks: queueing deliveries for %s failed: %s", sid, exc)
 
     @translated
     async def add_relay_jobs(self, sid: str, destinations: Sequence[str]) -> None:
@@ -290,28 +400,18 @@ class Store(Turns):
 
     @translated
     async def respond(
-        self,
-        sid: str,
-        owner: str,
-        request_id: str,
-        answer: Answer,
-        *,
-        deliver_to: Sequence[str] = (),
-        look_first: bool = True,
+        self, sid: str, owner: str, request_id: str, answer: Answer, *, deliver_to: str | None = None
     ) -> Responded:
-        """Record an answer. With `deliver_to`, the session's job and a relay job for each
-        destination go in the same round trip (a webhook channel's click is one round trip)."""
-        data: dict[str, str] = {"request_id": request_id, "decision": answer.decision, "reason": answer.reason}
-        if answer.by:
-            data["by"] = answer.by
+        """Record an answer. With a destination to deliver to (`deliver_to`, a webhook
+        channel's, or the owner's webhooks), the session's job and a relay job for each go in
+        the same round trip (a webhook channel's click is one round trip)."""
+        data = _enc.encode(InputResolvedData(request_id, answer.decision, answer.reason, answer.by))
         now = repr(round(time.time(), 6))
-        args = p.RespondArgs(
-            owner, request_id, _enc.encode(answer).decode(), self.retention, now, _enc.encode(data).decode()
-        )
-        job_id = None
-        if deliver_to:
-            also = [relay_job(sid, d) for d in deliver_to]
-            res, job_id = await self._with_job(p.RESPOND, sid, owner, args, also=also, look_first=look_first)
+        args = p.RespondArgs(owner, request_id, _enc.encode(answer).decode(), self.retention, now, data.decode())
+        destinations = [deliver_to] if deliver_to else await self.hooks.targets(owner)
+        job = None
+        if destinations:
+            res, job = await self._with_job(p.RESPOND, sid, owner, args, destinations, look_first=deliver_to is None)
         else:
             res = await self._run(p.RESPOND, sid, args)
         if isinstance(res, p.Missing):
@@ -319,17 +419,18 @@ class Store(Turns):
         if isinstance(res, p.Unknown):
             raise NotFound(f"no approval request {request_id} in session {sid}", code="request_not_found")
         if isinstance(res, p.Answered):
-            return Responded(recorded=False, answer=answer_decoder.decode(res.answer), job_id=job_id)
-        event = made(sid, res.id, res.seq, "input.resolved", res.body.encode())
-        return Responded(recorded=True, answer=answer, runnable=res.left == 0, event=event, job_id=job_id)
+            return AlreadyAnswered(answer_decoder.decode(res.answer), job)
+        event = made(sid, res.id, res.seq, InputResolved.TYPE, res.body.encode())
+        self._published(sid, [event])
+        return Recorded(answer, event, runnable=res.left == 0, job=job)
 
     @translated
-    async def open_requests(self, sid: str, meta: dict[str, str]) -> list[ApprovalRequest]:
+    async def open_requests(self, sid: str, meta: SessionMeta) -> list[ApprovalRequest]:
         """The paused turn's requests that have no answer yet, in the order they were made."""
-        rids = meta.get("waiting_on", "").split()
-        if not rids:
+        if not meta.waiting_on:
             return []
         k = SessionKeys(sid)
+        rids = list(meta.waiting_on)
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.hmget(k.pending, rids)
             pipe.hmget(k.decisions, rids)
@@ -338,28 +439,24 @@ class Store(Turns):
 
     @translated
     async def cancel(
-        self,
-        sid: str,
-        owner: str,
-        turn_id: str = "",
-        *,
-        deliver_to: Sequence[str] = (),
-        look_first: bool = True,
-        once: str = "",
-    ) -> tuple[str | None, str | None]:
-        """Ask the current (or next) turn, or only `turn_id`, to end. Returns the turn id (None
-        if there is no such turn) and, with `deliver_to`, the session's job, queued in the same
-        round trip with a relay job for that destination."""
+        self, sid: str, owner: str, turn_id: str = "", *, deliver_to: str | None = None, once: str = ""
+    ) -> CancelAsked:
+        """Ask the current (or next) turn, or only `turn_id`, to end; its model call, streaming
+        in whichever process, is stopped at once. With a destination to deliver to (as
+        `respond`), the session's job goes with it, in the same round trip."""
         args = p.CancelArgs(owner, turn_id, once)
-        job_id = None
-        if deliver_to:
-            also = [relay_job(sid, d) for d in deliver_to]
-            res, job_id = await self._with_job(p.CANCEL, sid, owner, args, also=also, look_first=look_first)
+        destinations = [deliver_to] if deliver_to else await self.hooks.targets(owner)
+        job = None
+        if destinations:
+            res, job = await self._with_job(p.CANCEL, sid, owner, args, destinations, look_first=deliver_to is None)
         else:
             res = await self._run(p.CANCEL, sid, args)
         if isinstance(res, p.Missing):
             raise _missing(sid)
-        return (res.turn_id if isinstance(res, p.Cancelling) else None), job_id
+        if not isinstance(res, p.CancelSet):
+            return NothingToCancel()
+        self.hub.cancel(sid, res.turn_id)
+        return Cancelling(res.turn_id, job)
 
     @translated
     async def renew(self, sid: str, fence: str, lease_ms: int) -> bool:
@@ -376,24 +473,202 @@ class Store(Turns):
         secret: Any = await self.redis.get(TOKEN_SECRET)
         return bytes(secret)
 
-    # ---- reads ---------------------------------------------------------------------------
-
     @translated
     async def history(self, sid: str, owner: str, offset: int = 0, limit: int | None = None) -> list[Item]:
         """Active history from `offset` on, at most `limit` items (all when None)."""
-        meta = await self.meta(sid, owner)
-        first = int(meta["hist_start"]) + offset
+        k = SessionKeys(sid)
+        raw: Any = await self.redis.hmget(k.meta, ["owner", "hist_start"])
+        if raw[0] != owner.encode():
+            raise _missing(sid)
+        first = int(raw[1]) + offset
         last = -1 if limit is None else first + limit - 1
-        raw: Any = await self.redis.lrange(SessionKeys(sid).history, first, last)
-        return [item_decoder.decode(r) for r in raw]
+        items: Any = await self.redis.lrange(k.history, first, last)
+        return [item_decoder.decode(r) for r in items]
+
+    # ---- a turn: BEGIN, COMMIT, the attempts' accounting -------------------------------------
 
     @translated
-    async def events(self, sid: str, after: str, count: int = 200) -> list[StoredEvent]:
-        """Events after stream id `after` ("0-0" = from the start). By the wire: a reader's read,
-        on its path, and cancellable (redis-py's write, in `wait_for` on Python 3.11, can swallow
-        the cancellation of a reader that goes away)."""
-        start = f"({after}" if after != "0-0" else "-"
-        (raw,) = await self.wire.call([("XRANGE", SessionKeys(sid).outbox, start, "+", "COUNT", count)])
-        if isinstance(raw, Exception):
-            raise raw
-        return [envelope(sid, eid, dict(zip(f[::2], f[1::2], strict=True))) for eid, f in raw]
+    async def begin(self, sid: str, fence: str, lease_ms: int) -> BeginOutcome:
+        """Take the session for its next turn."""
+        have_start, have, epoch = self._cached(sid)
+        args = p.BeginArgs(fence, lease_ms, repr(time.time()), self.retention, have_start, len(have), epoch)
+        outcome, started = self._begun(sid, await self._run(p.BEGIN, sid, args), have)
+        if started is not None:
+            self._published(sid, [started])
+        return outcome
+
+    def _cached(self, sid: str) -> tuple[int, list[Item], str]:
+        """(start, items, epoch) of this process's copy of the session's history."""
+        cached = self._cache.get(sid)
+        return cached if cached is not None else (-1, [], "")
+
+    def _begun(self, sid: str, res: p.BeginReply, have: list[Item]) -> tuple[BeginOutcome, StoredEvent | None]:
+        """BEGIN's reply (or the one SUBMIT gives when it began the turn), decoded, with the
+        event it wrote (turn.started, or a manual compaction's compaction.requested)."""
+        if isinstance(res, p.LeaseTaken):
+            return Busy(retry_ms=max(res.retry_ms, 1)), None
+        if not isinstance(res, p.Began):
+            return NoWork(), None
+        message = inbox_decoder.decode(res.head)
+        items = have if res.reused == len(have) else have[: res.reused]
+        items.extend(item_decoder.decode(raw) for raw in res.items)
+        self._cache.put(sid, res.start, items, res.epoch)
+        started = None
+        if res.started_id:
+            etype = CompactionRequested.TYPE if message.kind == "compact" else TurnStarted.TYPE
+            started = made(sid, res.started_id, res.started_seq, etype, res.started_body.encode())
+        begun = Begun(
+            fence=str(res.fence),
+            message=message,
+            history=items[: res.n_before],
+            turn_items=items[res.n_before :],
+            sticky=dict(res.sticky),
+            started_id=res.started_id,
+            cancel=res.cancel,
+            answers={rid: answer_decoder.decode(a) if a else None for rid, a in res.decisions},
+            last_in=res.last_in,
+            last_est=res.last_est,
+            took_over=res.took_over,
+        )
+        return begun, started
+
+    @translated
+    async def commit(
+        self,
+        sid: str,
+        fence: str,
+        turn_id: str,
+        items: Sequence[Item],
+        events: Sequence[Pending],
+        *,
+        mode: CommitMode = "step",
+        requests: Sequence[ApprovalRequest] = (),
+        answers: Sequence[tuple[str, Answer]] = (),
+        attempt: bool = False,
+        rebase: int | None = None,
+        usage: UsageRecord | None = None,
+        guard: bool = False,
+        announce: Sequence[Pending] = (),
+        failpoint: str | None = None,
+    ) -> Commit:
+        """Commit a step (mode "step"), the end of a turn ("final"), or a pause for the
+        approval `requests` ("pause"); StaleLease if the lease is no longer `fence` (or the
+        session is no more). `answers` records answers the harness gives itself (withdrawn
+        requests of a cancelled turn). `attempt`: a model call follows; count it now. `rebase`:
+        `items` become the whole active history (compaction, clear), the current turn's items
+        beginning at that offset in them. `usage`: the model call's tokens, written by the same
+        script first (its usage.recorded comes first; written even if the commit is refused as
+        stale). `guard`: with a cancel pending for the turn, write nothing else (`Withheld`).
+        `announce`: events written only if no cancel is pending (step mode). `failpoint`: the
+        crash point reached once the commit is made, before anything is published."""
+        recorded: list[Pending] = []
+        usage_args = None
+        if usage is not None:
+            recorded.append(self._usage(turn_id, usage.step, usage.usage, failed=False))
+            usage_args = self._usage_args(recorded[-1], usage.usage, failed=False, estimate=usage.estimate)
+        resolved: list[Pending] = []
+        answer_args = []
+        for rid, answer in answers:
+            resolved.append(pending(turn_id, InputResolvedData(rid, answer.decision, answer.reason)))
+            answer_args.append(p.AnswerArg(rid, _enc.encode(answer).decode(), resolved[-1].body.decode()))
+        args = p.CommitArgs(
+            fence=fence,
+            turn_id=turn_id,
+            retention=self.retention,
+            mode=mode,
+            waiting_on=[r.request_id for r in requests] if mode == "pause" else [],
+            attempt=attempt,
+            items=[_enc.encode(item).decode() for item in items],
+            requests=[p.RequestArg(r.request_id, _enc.encode(r).decode()) for r in requests],
+            answers=answer_args,
+            events=[p.EventArg(e.type, e.body.decode()) for e in events],
+            rebase=rebase,
+            usage=usage_args,
+            guard=guard,
+            announce=[p.EventArg(e.type, e.body.decode()) for e in announce],
+            ttl_ms=self.ttl_ms,
+        )
+        res = await self._run(p.COMMIT, sid, args)
+        if isinstance(res, p.Stale):
+            raise StaleLease(f"session {sid}: lease {fence} is no longer held (or the session is no more)")
+        if failpoint is not None:
+            failpoints.reached(failpoint)
+        if isinstance(res, p.DroppedStep):
+            dropped = written(sid, res.ids, res.first_seq, recorded)
+            self._published(sid, dropped)
+            return Withheld(dropped)
+        if announce and not res.cancel:
+            events = [*events, *announce]
+        if rebase is None:
+            self._cache.extend(sid, list(items), res.length)
+        else:
+            _, _, epoch = self._cached(sid)
+            self._cache.put(sid, res.length - len(items), list(items), epoch)
+        emitted = written(sid, res.ids, res.first_seq, [*recorded, *(resolved[n] for n in res.resolved), *events])
+        self._published(sid, emitted, settled=mode != "step")
+        match res:
+            case p.EndedMore() | p.EndedIdle():
+                return Ended(emitted, more=isinstance(res, p.EndedMore))
+            case p.PausedTurn():
+                return AwaitingAnswers(emitted)
+            case _ if res.cancel:
+                return CancelPending(emitted)
+        return Stepped(emitted)
+
+    @translated
+    async def record_usage(
+        self,
+        sid: str,
+        turn_id: str,
+        step: int,
+        usage: Usage,
+        *,
+        failed: bool = False,
+        purpose: str = "turn",
+        estimate: int | None = None,
+    ) -> StoredEvent:
+        """Account one provider attempt, before its step commits (I5); a failed attempt too.
+        `estimate`: keel's estimate of the request, kept with its reported input tokens (turn
+        calls only) for compaction's threshold. Returns the usage.recorded event."""
+        event = self._usage(turn_id, step, usage, failed=failed, purpose=purpose)
+        args = self._usage_args(event, usage, failed=failed, estimate=estimate)
+        res = await self._run(p.USAGE, sid, p.RecordUsageArgs(self.retention, args))
+        if isinstance(res, p.Stale):
+            raise StaleLease(f"session {sid} is no more (deleted or expired)")
+        recorded = made(sid, res.id, res.seq, event.type, event.body)
+        self._published(sid, [recorded])
+        return recorded
+
+    @staticmethod
+    def _usage(turn_id: str, step: int, usage: Usage, *, failed: bool, purpose: str = "turn") -> Pending:
+        """An attempt's usage.recorded."""
+        return pending(
+            turn_id,
+            UsageRecordedData(
+                step,
+                usage.input_tokens,
+                usage.output_tokens,
+                usage.cached_tokens,
+                usage.cache_write_tokens,
+                failed=failed,
+                purpose=purpose,
+            ),
+        )
+
+    @staticmethod
+    def _usage_args(event: Pending, usage: Usage, *, failed: bool, estimate: int | None) -> p.UsageArgs:
+        """The tokens as a script records them, with their event's body."""
+        return p.UsageArgs(
+            input_tokens=usage.input_tokens,
+            output_tokens=usage.output_tokens,
+            cached_tokens=usage.cached_tokens,
+            cache_write_tokens=usage.cache_write_tokens,
+            body=event.body.decode(),
+            last_est=None if estimate is None or failed else estimate,
+        )
+
+    @translated
+    async def count_attempt(self, sid: str) -> None:
+        """Count a model call about to be made, when no commit or BEGIN just did."""
+        if (await self._run(p.ATTEMPT, sid, p.NoArgs())).n < 0:
+            raise StaleLease(f"session {sid} is no more (deleted or expired)")

@@ -1,4 +1,6 @@
-"""Sharded pub/sub subscriptions (SSUBSCRIBE): each channel on the node that owns its slot, a
+"""Sharded pub/sub subscriptions (SSUBSCRIBE), one connection per node.
+
+Sharded pub/sub subscriptions (SSUBSCRIBE): each channel on the node that owns its slot, a
 connection and a listener per node. On one server that is one connection; on a Redis Cluster a
 session's channel lives with its keys, so a commit's notice and its readers meet on one node.
 
@@ -23,7 +25,8 @@ from redis.asyncio.client import PubSub
 from redis.asyncio.cluster import RedisCluster
 
 from harness.aio import cancel_and_wait
-from harness.store.client import Client, count_error
+from harness.store.client import Client
+from harness.telemetry.metrics import count_redis_error
 
 log = logging.getLogger("keel.live")
 RETRY_S = 1.0  # a node's listener that failed waits this long before it subscribes again
@@ -118,7 +121,7 @@ class ShardSubscriber:
                 node.sent.set()
                 return
             except Exception as exc:
-                count_error()
+                count_redis_error()
                 log.warning("live events: subscribing failed: %s; again in %ss", type(exc).__name__, RETRY_S)
                 await asyncio.sleep(RETRY_S)
                 if not self._wanted(channel):
@@ -161,7 +164,7 @@ class ShardSubscriber:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                count_error()
+                count_redis_error()
                 log.warning("live events: %s on %s; subscribing again in %ss", type(exc).__name__, node.name, RETRY_S)
                 await asyncio.sleep(RETRY_S)
                 await self._lost(node)

@@ -1,14 +1,83 @@
-"""What the store's commands hand back: plain values, decoded (the scripts' own replies are in
-`protocol`)."""
+"""What the store's commands hand back.
+
+What the store's commands hand back: decoded values, and tagged unions where a command has
+several outcomes (the callers `match` on them). The scripts' own replies are in `protocol`."""
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, Literal
 
 import msgspec
 
 from harness.events import StoredEvent
-from harness.types import Answer, InboxMessage, Item, Usage
+from harness.store.queue import JobId
+from harness.types import Answer, InboxMessage, Item, SessionStatus, Usage
+
+# ---- a session -----------------------------------------------------------------------------
+
+
+class SessionMeta(msgspec.Struct, frozen=True):
+    """A session's meta hash, as the reads need it."""
+
+    owner: str
+    status: SessionStatus
+    created_at: float
+    metadata: dict[str, Any]  # as the session was created with it
+    turn: str = ""  # the turn in progress (running or paused), "" between turns
+    waiting_on: tuple[str, ...] = ()  # the paused turn's request ids, in the order they were made
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cached_tokens: int = 0
+    cache_write_tokens: int = 0
+    model_calls: int = 0
+
+
+class Submitted(msgspec.Struct, frozen=True):
+    """What `Store.submit` did. A repeated message_id gives the first one's ids (and no event)."""
+
+    duplicate: bool
+    turn_id: str
+    received_id: str
+    job: JobId  # the job queued with it
+    received: StoredEvent | None = None  # its message.received, when new
+    began: Begun | None = None  # the turn SUBMIT began, if it did
+    created: StoredEvent | None = None  # its session's session.created, when this message made it
+
+
+class Recorded(msgspec.Struct, frozen=True):
+    """An answer was recorded: `runnable` when it was the last open request of the paused turn."""
+
+    answer: Answer
+    event: StoredEvent  # its input.resolved
+    runnable: bool = False
+    job: JobId | None = None  # the session's job, when one was queued with the answer
+
+
+class AlreadyAnswered(msgspec.Struct, frozen=True):
+    """The request has an answer already: `answer` is the one recorded first."""
+
+    answer: Answer
+    job: JobId | None = None
+
+
+Responded = Recorded | AlreadyAnswered
+
+
+class Cancelling(msgspec.Struct, frozen=True):
+    """A cancel of `turn_id` is recorded; the runner holding (or next taking) it ends it."""
+
+    turn_id: str
+    job: JobId | None = None  # the session's job, when one was queued with the cancel
+
+
+class NothingToCancel(msgspec.Struct, frozen=True):
+    pass
+
+
+CancelAsked = Cancelling | NothingToCancel
+
+
+# ---- a turn ----------------------------------------------------------------------------------
 
 
 class Begun(msgspec.Struct, frozen=True):
@@ -24,24 +93,20 @@ class Begun(msgspec.Struct, frozen=True):
     answers: dict[str, Answer | None] = {}  # the paused step's requests and their answers so far
     last_in: int = 0  # provider-reported input tokens of the session's last turn call (0: none)
     last_est: int = 0  # keel's estimate of that same request
-    started: StoredEvent | None = None  # the event `started_id` names
     took_over: bool = False  # resumed from a runner whose lease lapsed (a crash, a stall)
 
 
-class Submitted(NamedTuple):
-    """What Store.submit did: a repeated message_id gives the first one's ids (and no event)."""
-
-    duplicate: bool
-    turn_id: str
-    received_id: str
-    received: StoredEvent | None  # its message.received, when new
-    began: Begun | None  # the turn SUBMIT began, if it did
-    job_id: str  # the job queued with it
-    created: StoredEvent | None = None  # its session's session.created, when this message made it
-
-
 class Busy(msgspec.Struct, frozen=True):
+    """Another runner holds the session's lease; it lapses in `retry_ms` if that runner died."""
+
     retry_ms: int
+
+
+class NoWork(msgspec.Struct, frozen=True):
+    """Nothing to begin: the inbox is empty, the turn waits for answers, or no such session."""
+
+
+BeginOutcome = Begun | Busy | NoWork
 
 
 class UsageRecord(msgspec.Struct, frozen=True):
@@ -53,19 +118,39 @@ class UsageRecord(msgspec.Struct, frozen=True):
     estimate: int | None = None  # keel's estimate of the request (when compaction needs it)
 
 
-class Committed(msgspec.Struct, frozen=True):
+CommitMode = Literal["step", "final", "pause"]
+
+
+class Stepped(msgspec.Struct, frozen=True):
+    """The step is committed: the turn goes on."""
+
     events: list[StoredEvent]  # what the commit wrote to the outbox, in order
-    more: bool = False  # final commit only: the inbox has another message, lease kept
-    paused: bool = False  # pause commit: the session now waits for answers, lease released
-    cancel: bool = False  # a cancel was asked for this turn: finish it as cancelled
-    dropped: bool = False  # a guarded commit found that cancel: it wrote nothing but the usage
 
 
-class Responded(msgspec.Struct, frozen=True):
-    """RESPOND's outcome: `answer` is the recorded one (the earlier one if already answered)."""
+class CancelPending(msgspec.Struct, frozen=True):
+    """The step is committed, and a cancel was asked for the turn: end it now (a pause commit
+    did not pause)."""
 
-    recorded: bool
-    answer: Answer
-    runnable: bool = False  # this was the last open request of the paused turn
-    event: StoredEvent | None = None  # its input.resolved, when recorded
-    job_id: str | None = None  # the session's job, when one was queued with the answer
+    events: list[StoredEvent]
+
+
+class Withheld(msgspec.Struct, frozen=True):
+    """A guarded commit found a cancel pending: nothing was written but the usage."""
+
+    events: list[StoredEvent]
+
+
+class AwaitingAnswers(msgspec.Struct, frozen=True):
+    """The turn pauses for its approval requests; the lease is released."""
+
+    events: list[StoredEvent]
+
+
+class Ended(msgspec.Struct, frozen=True):
+    """The turn ended; `more`: another message waits (the lease is kept for it)."""
+
+    events: list[StoredEvent]
+    more: bool
+
+
+Commit = Stepped | CancelPending | Withheld | AwaitingAnswers | Ended

@@ -1,4 +1,6 @@
-"""The ids a log line is about, as context variables: the channel sets `request_id` (and
+"""The ids a log line is about, as context variables.
+
+The ids a log line is about, as context variables: the channel sets `request_id` (and
 `session_id`) where a request or a websocket frame comes in, the runner `session_id` and
 `turn_id` for each turn it runs; a log formatter (app/logs.py) reads them. Setting one costs
 about what a dict write does."""

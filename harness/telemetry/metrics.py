@@ -13,17 +13,21 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
-from harness.events import StoredEvent
+from harness.events import OUTCOMES, StoredEvent
 
 # seconds: a turn of a zero-latency model takes about a millisecond, a real one seconds
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
-# a turn's last committed event says how it came out ("waiting": it asked for approval)
-OUTCOMES = {
-    "turn.completed": "completed",
-    "turn.failed": "failed",
-    "turn.cancelled": "cancelled",
-    "input.requested": "waiting",
-}
+_redis_errors = [0]  # Redis failures this process met (one Redis client per process)
+
+
+def redis_errors() -> int:
+    """How many Redis calls of this process have failed (raised as `Unavailable`, or met by the
+    live-event listener and the subscriber) since it started."""
+    return _redis_errors[0]
+
+
+def count_redis_error() -> None:
+    _redis_errors[0] += 1
 
 
 class Histogram:
@@ -72,7 +76,7 @@ class HarnessStats:
         for event in events:
             etype = event.type
             counts[etype] = counts.get(etype, 0) + 1
-            outcome = OUTCOMES.get(etype)
+            outcome = OUTCOMES.get(etype)  # (a turn's last event says how it came out)
             if outcome is not None:
                 self.turns[outcome] = self.turns.get(outcome, 0) + 1
 

@@ -1,4 +1,6 @@
-"""Tools from typed Python functions: the JSON schema comes from the signature (via msgspec),
+"""Tools from typed Python functions (`@tool`), and the context a tool gets.
+
+Tools from typed Python functions: the JSON schema comes from the signature (via msgspec),
 the description from the docstring, and arguments are validated against the same types."""
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""One tool call of a turn: whether it needs a person's approval, running it, and the history
+"""One tool call of a turn: its approval check, its run, its result item.
+
+One tool call of a turn: whether it needs a person's approval, running it, and the history
 item that carries its result (every call gets one: run, refused or cancelled)."""
 
 from __future__ import annotations

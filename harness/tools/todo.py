@@ -1,4 +1,6 @@
-"""The built-in todo list: a `todo` tool the model calls with its whole list. Its state lives in
+"""The built-in todo list tool.
+
+The built-in todo list: a `todo` tool the model calls with its whole list. Its state lives in
 the session's history (the newest successful `todo` result, or the list compaction re-injected
 after a summary), so it is committed with the step that set it, survives any crash, and is
 restored after compaction. `clear` drops it with the rest of the model's context."""

@@ -78,12 +78,12 @@ async def relay_done(redis: Redis, timeout: float = 20.0) -> None:
 
 async def dead_letters(redis: Redis, timeout: float = 15.0) -> list[Any]:
     """The dead letters, once there is one."""
-    from app.relay import list_dead
+    from harness.store import Deliveries
 
     found: list[Any] = []
 
     async def some() -> bool:
-        found[:] = await list_dead(redis, "slack")
+        found[:] = await Deliveries(redis).dead("slack")
         return bool(found)
 
     await eventually(some, timeout)

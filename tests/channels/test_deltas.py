@@ -107,12 +107,12 @@ async def test_a_reader_in_another_process_gets_the_deltas(make_harness: Any, re
     reader = Harness.connect(valkey.url, streaming_agent(), run_turns=False)
     await reader.start()
     try:
-        sid = await runner.create_session("o")
+        sid = await runner.sessions.create("o")
         got: list[StoredEvent | LiveEvent] = []
         subscribed = asyncio.Event()
 
         async def read() -> None:
-            async for event in reader.tail(sid, "0-0", heartbeat=0.2):
+            async for event in reader.sessions.tail(sid, "0-0", heartbeat=0.2):
                 if event is None:
                     subscribed.set()  # (the first heartbeat comes after the subscription)
                     continue
@@ -125,7 +125,7 @@ async def test_a_reader_in_another_process_gets_the_deltas(make_harness: Any, re
         async with asyncio.timeout(5):  # the reader's process is subscribed to the session's live events
             while not (await redis.pubsub_shardnumsub(f"keel:{{{sid}}}:live"))[0][1]:  # noqa: ASYNC110 (Redis state)
                 await asyncio.sleep(0.01)
-        await runner.submit(sid, "o", "hi")
+        await runner.sessions.submit(sid, "o", "hi")
         gate.set()
         await asyncio.wait_for(task, 10)
     finally:
@@ -133,19 +133,19 @@ async def test_a_reader_in_another_process_gets_the_deltas(make_harness: Any, re
     deltas = [json.loads(e.raw) for e in got if isinstance(e, LiveEvent)]
     (completed,) = [json.loads(e.raw) for e in got if e.type == "message.completed"]
     check_deltas(deltas, completed)
-    stored = await runner.store.events(sid, "0-0")
+    stored = await runner.store.outbox.events(sid, "0-0")
     assert "message.delta" not in {e.type for e in stored}
-    assert [i.text for i in await runner.history(sid, "o")] == ["hi", REPLY]
+    assert [i.text for i in await runner.sessions.history(sid, "o")] == ["hi", REPLY]
 
 
 async def test_a_reader_cancelled_while_it_subscribes_ends(make_harness: Any) -> None:
     """redis-py sends SUBSCRIBE inside wait_for, which on Python 3.11 can swallow a cancellation:
     a reader cancelled at any moment of its opening must still end."""
     h = await make_harness(streaming_agent(), run_turns=False)
-    sid = await h.create_session("o")
+    sid = await h.sessions.create("o")
 
     async def read() -> None:
-        async for _ in h.tail(sid, "0-0", heartbeat=5):
+        async for _ in h.sessions.tail(sid, "0-0", heartbeat=5):
             pass
 
     for steps in range(8):  # cancel after 0, 1, 2, ... turns of the event loop

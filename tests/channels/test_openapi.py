@@ -17,7 +17,8 @@ from starlette.routing import BaseRoute, Route, WebSocketRoute
 from channels import answers, types
 from channels.openapi import REF, document, routed
 from channels.routes import routes
-from harness.types import Event, SessionInfo, TurnResult
+from harness.events import COMMITTED, LIVE
+from harness.types import SessionInfo
 from tests.channels.test_http import echo_agent
 
 
@@ -72,7 +73,7 @@ def test_a_route_added_without_its_operation_is_caught() -> None:
 
 def test_every_wire_type_is_a_named_schema_equal_to_its_own() -> None:
     schemas = document(routes())["components"]["schemas"]
-    wire = [*structs(types), *structs(answers), Event, SessionInfo, TurnResult]
+    wire = [*structs(types), *structs(answers), *COMMITTED, *LIVE, SessionInfo]
     _, own = msgspec.json.schema_components(wire, ref_template=REF)
     for t in wire:
         assert schemas.get(t.__name__) == own[t.__name__], f"{t.__name__} is not documented as it is"
@@ -80,6 +81,11 @@ def test_every_wire_type_is_a_named_schema_equal_to_its_own() -> None:
     assert client_frames == {t.__name__ for t in typing.get_args(types.WsFrame)}
     server_frames = {s["$ref"].rsplit("/", 1)[1] for s in schemas["WsServerFrame"]["anyOf"]}
     assert server_frames == {"Event", "MessageDelta", "SessionDeleted", "WsError", "WsHeartbeat", "WsPong"}
+    # an event is any of the catalogue's committed types, told apart by `type`
+    mapping = schemas["Event"]["discriminator"]["mapping"]
+    assert {t: ref.rsplit("/", 1)[1] for t, ref in mapping.items()} == {c.TYPE: c.__name__ for c in COMMITTED}
+    settled = schemas["SettledTurn"]["properties"]["events"]["items"]
+    assert settled == {"$ref": REF.format(name="Event")}
 
 
 def test_every_operation_documents_its_errors_as_the_envelope() -> None:

@@ -146,7 +146,7 @@ async def test_cancel_racing_an_answer_ends_the_turn_as_its_status_code_says(ser
         )
         assert answered.status_code in (202, 409) and cancelled.status_code in (202, 409), cancelled.text
         await c.post(f"/v1/sessions/{sid}/messages?wait=true", json={"text": "after"})  # queued behind it
-        events = [json.loads(e.raw) for e in await store.events(sid, "0-0")]
+        events = [json.loads(e.raw) for e in await store.outbox.events(sid, "0-0")]
         return cancelled.status_code, [e["type"] for e in events], events
 
     try:

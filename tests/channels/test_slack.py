@@ -208,14 +208,14 @@ async def test_rate_limits_are_waited_out_and_nothing_is_posted_twice(keel: Any,
 
 
 async def test_a_refused_post_is_a_dead_letter_an_operator_retries(keel: Any, slack: FakeSlack, redis: Redis) -> None:
-    from app.relay import list_dead, retry_dead
+    from harness.store import Deliveries
 
     c = await keel(echo_agent())
     slack.fail("chat.postMessage", status=200, error="not_in_channel", times=1)
     thread = "1700000070.000100"
     await post_event(c, event_body(f"<@{BOT}> first", ts=thread))
     for _ in range(200):
-        dead = await list_dead(redis, "slack")
+        dead = await Deliveries(redis).dead("slack")
         if dead:
             break
         await asyncio.sleep(0.05)
@@ -225,11 +225,11 @@ async def test_a_refused_post_is_a_dead_letter_an_operator_retries(keel: Any, sl
     await post_event(c, event_body("second", ts="1700000071.000100", kind="message", thread_ts=thread))
     await slack.until(lambda s: len(s.posts(thread)) == 1)
     assert replies(slack, thread) == ["re:second"]
-    assert await retry_dead(redis, "slack") == 1
+    assert await Deliveries(redis).retry("slack") == 1
     await slack.until(lambda s: len(s.posts(thread)) == 2)
     assert sorted(replies(slack, thread)) == ["re:first", "re:second"]
-    assert await list_dead(redis, "slack") == []
-    assert await retry_dead(redis, "slack") == 0
+    assert await Deliveries(redis).dead("slack") == []
+    assert await Deliveries(redis).retry("slack") == 0
 
 
 async def test_a_burst_of_1000_events_is_all_acked_and_answered(keel: Any, slack: FakeSlack) -> None:

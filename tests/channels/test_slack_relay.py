@@ -9,11 +9,11 @@ from typing import Any
 import pytest
 from redis.asyncio import Redis
 
-from app.relay import list_dead, retry_dead
 from channels.webhooks.slack import session_for
 from harness import Agent
 from harness.models import ModelReply, ModelRequest, ScriptedModel
 from harness.relay import Relay
+from harness.store import Deliveries
 from tests.channels.slack_server import BOT, TEAM, FakeSlack, event_body
 from tests.channels.slack_support import dead_letters, echo_agent, eventually, post_event, relay_done
 
@@ -69,11 +69,11 @@ async def test_a_retried_long_reply_after_a_working_post_is_posted_once(
     gate.set()
     await dead_letters(redis)
     assert [m.text[0] for m in slack.posts(thread)] == ["a", "b"]
-    assert await retry_dead(redis, "slack") == 1
+    assert await Deliveries(redis).retry("slack") == 1
     await slack.until(lambda s: any(m.text.startswith("c") for m in s.posts(thread)))
     await relay_done(redis)
     assert [m.text[:1] for m in slack.posts(thread)] == ["a", "b", "c"]
-    assert await list_dead(redis, "slack") == []
+    assert await Deliveries(redis).dead("slack") == []
 
 
 async def test_a_retry_whose_reconcile_is_refused_is_a_dead_letter_again(
@@ -83,7 +83,7 @@ async def test_a_retry_whose_reconcile_is_refused_is_a_dead_letter_again(
     await post_event(c, event_body(f"<@{BOT}> hi", ts="1700000400.000100", channel="C0GONE"))  # the bot was removed
     (first,) = await dead_letters(redis)
     slack.fail("conversations.replies", status=200, error="channel_not_found", times=1000)
-    assert await retry_dead(redis, "slack") == 1
+    assert await Deliveries(redis).retry("slack") == 1
     (again,) = await dead_letters(redis)
     await relay_done(redis)  # the retry's job was acknowledged: not tried again and again
     assert again.event_id == first.event_id and "channel_not_found" in again.error

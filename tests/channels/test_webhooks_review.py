@@ -34,7 +34,7 @@ async def started(c: httpx.AsyncClient, sid: str) -> None:
 
 
 async def test_a_turn_running_when_the_key_subscribes_has_its_events_delivered(serve: Any, receiver: Receiver) -> None:
-    """The subscription is made (and forget_hooks called) while a turn of the key's session is
+    """The subscription is made (and the owner's cached targets dropped) while a turn of the key's session is
     running; its turn.completed is committed after the subscription exists. Before the fix: relay jobs are
     queued only with API writes (create/submit/respond/cancel/enqueue), and the submit came
     before the subscription: no relay job for wh:<id>, so turn.completed is never delivered
@@ -98,12 +98,13 @@ async def test_no_delivery_after_delete(serve: Any, receiver: Receiver, redis: R
 
 
 async def test_the_hooks_cache_is_not_refilled_with_a_stale_read(make_harness: Any, redis: Redis) -> None:
-    """forget_hooks() drops the owner's cache entry, but a _hooks() read that began before the
-    subscription was added and returns after forget_hooks() stores the old list for another
+    """Adding a subscription drops the owner's cached targets, but a `targets()` read that began
+    before the subscription was added and returns after it would store the old list for another
     second: a session created right after subscribing, in the same process, gets no relay job
     for it (its events are not delivered unless the session is written to again)."""
     h = await make_harness(echo_agent(), run_turns=False)
-    real_of = h.hooks.of
+    hooks = h.store.hooks
+    real_of = hooks.of
     hold = asyncio.Event()
 
     reading = asyncio.Event()
@@ -114,18 +115,17 @@ async def test_the_hooks_cache_is_not_refilled_with_a_stale_read(make_harness: A
         await hold.wait()  # (a slow reply)
         return subs
 
-    h.hooks.of = slow_of  # type: ignore[method-assign]
-    concurrent = asyncio.create_task(h._hooks("k"))  # another request of the key, in flight
+    hooks.of = slow_of  # type: ignore[method-assign]
+    concurrent = asyncio.create_task(hooks.targets("k"))  # another request of the key, in flight
     await asyncio.wait_for(reading.wait(), 5)
-    h.hooks.of = real_of  # type: ignore[method-assign]
+    hooks.of = real_of  # type: ignore[method-assign]
     sub = new_subscription(
         "wh_x", "k", url="https://example.com/", events=["*"], secret="whsec_" + "A" * 44, description=""
     )
-    await h.hooks.add(sub)  # POST /v1/webhooks: add, then forget_hooks
-    h.forget_hooks("k")
+    await hooks.add(sub)  # POST /v1/webhooks
     hold.set()
     await concurrent
-    sid = await h.create_session("k")  # right after the 201
+    sid = await h.sessions.create("k")  # right after the 201
     jobs = [f[b"s"].decode() for _, f in await redis.xrange("keel:{relay}:stream")]
     assert f"{sid} wh:wh_x" in jobs, f"no relay job for the new subscription: {jobs}"
 

@@ -42,7 +42,7 @@ class Load:
     async def _talk(self, sid: str) -> None:
         while not self.stop.is_set():
             try:
-                r = await self.h.submit_and_wait(
+                r = await self.h.sessions.submit_and_wait(
                     sid, "o", f"m{self.turns[sid]}", context={}, message_id=None, timeout=30
                 )
                 assert r.status == "completed", r
@@ -52,7 +52,7 @@ class Load:
                 return
 
     async def _read(self, sid: str) -> None:
-        async for event in self.h.tail(sid, "0-0", heartbeat=0.5):
+        async for event in self.h.sessions.tail(sid, "0-0", heartbeat=0.5):
             if event is not None and event.id:
                 self.seen[sid].append(json.loads(event.raw))
 
@@ -68,7 +68,7 @@ class Load:
         self.stop.set()
         await asyncio.wait_for(asyncio.gather(*self.talkers), 30)
         outboxes = {
-            s: [json.loads(e.raw) for e in await self.h.store.events(s, "0-0", count=100_000)] for s in self.sids
+            s: [json.loads(e.raw) for e in await self.h.store.outbox.events(s, "0-0", count=100_000)] for s in self.sids
         }
         async with asyncio.timeout(10):
             while any(len(self.seen[s]) < len(outboxes[s]) for s in self.sids):  # noqa: ASYNC110 (counts)
@@ -84,7 +84,7 @@ async def test_turns_run_on_while_their_slots_move(cluster: ValkeyCluster) -> No
     await h.start()
     client = RedisCluster.from_url(cluster.url)
     try:
-        sids = [await h.create_session("o") for _ in range(SESSIONS)]
+        sids = [await h.sessions.create("o") for _ in range(SESSIONS)]
         load = Load(h, sids)
         await load.until(1)  # turns under way before the first slot moves
         slots = [key_slot(SessionKeys(s).meta.encode()) for s in sids]

@@ -11,7 +11,7 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
-from app.relay import retry_dead
+from harness.store import Deliveries
 from tests.channels.slack_server import BOT, SECRET, TOKEN, FakeSlack, click_body, event_body, signed
 from tests.channels.slack_support import click, dead_letters, relay_done
 from tests.conftest import ValkeyServer, free_port
@@ -123,7 +123,7 @@ async def test_a_dead_letter_retried_after_a_crash_does_not_post_what_was_in_dou
         await send(svc, "more", "1700000101.000100")  # "re: more" posted, then the crash
         assert await asyncio.to_thread(svc.wait_exit) == 137
         assert texts(slack) == ["re: more"]
-        assert await retry_dead(redis, "slack") == 1  # the operator retries before keel is back
+        assert await Deliveries(redis).retry("slack") == 1  # the operator retries before keel is back
         svc.start()
         await slack.until(lambda s: len(s.posts(THREAD)) >= 2)
         await relay_done(redis)

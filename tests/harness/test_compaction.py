@@ -5,6 +5,7 @@ running turn and emit their events in order."""
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 from harness import Agent, tool
@@ -15,33 +16,31 @@ from harness.tools.todo import HEADER as TODO_HEADER
 
 
 async def run_turn(h: Any, sid: str, text: str, context: Any = None) -> Any:
-    turn = await h.wait_turn(await h.submit(sid, "anon", text, context), 10)
+    turn = await h.sessions.wait_turn(await h.sessions.submit(sid, "anon", text, context), 10)
     assert turn.status == "completed", turn
     return turn
 
 
 async def events_until(h: Any, sid: str, last: str, timeout: float = 10) -> list[dict[str, Any]]:
     """Every event of the session from the start until (and with) the first `last` event."""
-    from harness.events import decode_data
 
     out: list[dict[str, Any]] = []
     async with asyncio.timeout(timeout):
-        async for event in h.tail(sid, "0-0", heartbeat=1.0):
+        async for event in h.sessions.tail(sid, "0-0", heartbeat=1.0):
             if event is None:
                 continue
-            out.append(decode_data(event.raw))
+            out.append(json.loads(event.raw))
             if event.type == last:
                 return out
     raise AssertionError("unreachable")
 
 
 async def all_events(h: Any, sid: str) -> list[dict[str, Any]]:
-    from harness.events import decode_data
 
     out: list[Any] = []
-    while batch := await h.store.events(sid, out[-1].id if out else "0-0"):
+    while batch := await h.store.outbox.events(sid, out[-1].id if out else "0-0"):
         out.extend(batch)
-    return [decode_data(e.raw) for e in out]
+    return [json.loads(e.raw) for e in out]
 
 
 def types(events: list[dict[str, Any]]) -> list[str]:
@@ -81,10 +80,10 @@ async def test_trimming_old_tool_results_is_enough_when_it_can_be(make_harness: 
     model = ScriptedModel(script)
     config = Compaction(keep_turns=1, tool_result_chars=200)
     h = await make_harness(Agent(instructions="t", tools=[fetch], model=model, context_window=1_000, compaction=config))
-    sid = await h.create_session("anon")
+    sid = await h.sessions.create("anon")
     for text in ("read", "two", "three"):
         await run_turn(h, sid, text)
-    before = await h.history(sid, "anon")
+    before = await h.sessions.history(sid, "anon")
     assert not summaries(model)
     completed = [e["data"] for e in await all_events(h, sid) if e["type"] == "compaction.completed"]
     assert len(completed) == 1 and completed[0]["trimmed"] == 1 and completed[0]["summarized"] == 0
@@ -99,13 +98,13 @@ async def test_summary_replaces_older_turns_when_trimming_cannot(make_harness: A
     model = ScriptedModel(summarizing())
     config = Compaction(keep_turns=2)
     h = await make_harness(Agent(instructions="t", model=model, context_window=500, compaction=config))
-    sid = await h.create_session("anon")
+    sid = await h.sessions.create("anon")
     n = 0
     while not summaries(model):
         n += 1
         await run_turn(h, sid, f"message {n} " + "m" * 200)
         assert n < 20
-    history = await h.history(sid, "anon")
+    history = await h.sessions.history(sid, "anon")
     assert history[0].kind == "summary" and history[0].text == f"{SUMMARY_HEADER}\nSUMMARY"
     # the two turns before the current one, verbatim, then the current turn
     assert [i.text.split(" ")[:2] for i in history[1:] if i.role == "user"] == [
@@ -116,7 +115,7 @@ async def test_summary_replaces_older_turns_when_trimming_cannot(make_harness: A
     (request,) = summaries(model)
     assert request.messages[-1].text.startswith(TRANSCRIPT_HEADER)
     assert f"message {n - 3} " in request.messages[-1].text and f"message {n - 2} " not in request.messages[-1].text
-    info = await h.session(sid, "anon")
+    info = await h.sessions.info(sid, "anon")
     assert info.usage["model_calls"] == n + 1  # the summary call counts in the session's usage
     usage = [e["data"] for e in await all_events(h, sid) if e["type"] == "usage.recorded"]
     assert [u.get("purpose", "turn") for u in usage].count("compaction") == 1
@@ -128,7 +127,7 @@ async def test_the_previous_summary_is_passed_separately_and_whole(make_harness:
     model = ScriptedModel(summarizing(long_summary))
     config = Compaction(keep_turns=1, transcript_chars=100)
     h = await make_harness(Agent(instructions="t", model=model, context_window=1_400, compaction=config))
-    sid = await h.create_session("anon")
+    sid = await h.sessions.create("anon")
     n = 0
     while len(summaries(model)) < 2:
         n += 1
@@ -140,7 +139,7 @@ async def test_the_previous_summary_is_passed_separately_and_whole(make_harness:
     assert previous.text == f"{PREVIOUS_HEADER}\n{long_summary}"
     assert long_summary not in second.messages[1].text  # not repeated (cut) in the transcript
     assert "m" * 101 not in second.messages[1].text  # transcript messages are cut at 100
-    history = await h.history(sid, "anon")
+    history = await h.sessions.history(sid, "anon")
     assert [i.kind for i in history].count("summary") == 1
 
 
@@ -163,7 +162,7 @@ async def test_tool_calls_and_results_are_never_split(make_harness: Any) -> None
     model = ScriptedModel(script)
     config = Compaction(keep_turns=1, tool_result_chars=5_000)
     h = await make_harness(Agent(instructions="t", tools=[search], model=model, context_window=800, compaction=config))
-    sid = await h.create_session("anon")
+    sid = await h.sessions.create("anon")
     for n in range(8):
         await run_turn(h, sid, f"go {n}")
     assert len(summaries(model)) >= 2
@@ -171,7 +170,7 @@ async def test_tool_calls_and_results_are_never_split(make_harness: Any) -> None
         calls = [c.id for m in request.messages if m.role == "assistant" for c in m.tool_calls]
         results = [m.tool_call_id for m in request.messages if m.role == "tool"]
         assert sorted(calls) == sorted(results)  # every call has its result, every result its call
-    history = await h.history(sid, "anon")
+    history = await h.sessions.history(sid, "anon")
     calls = [c.id for m in history if m.role == "assistant" for c in m.tool_calls]
     assert sorted(calls) == sorted(m.tool_call_id for m in history if m.role == "tool")
 
@@ -201,19 +200,19 @@ async def test_todo_list_and_newest_snapshot_survive_the_summary(make_harness: A
         compaction=Compaction(keep_turns=1),
     )
     h = await make_harness(agent)
-    sid = await h.create_session("anon")
+    sid = await h.sessions.create("anon")
     await run_turn(h, sid, "plan the work")
     n = 0
     while not summaries(model):
         n += 1
         await run_turn(h, sid, f"message {n} " + "m" * 150)
         assert n < 20
-    history = await h.history(sid, "anon")
+    history = await h.sessions.history(sid, "anon")
     assert [i.kind for i in history[:3]] == ["summary", "todo", "runtime"]
     assert history[1].text == f"{TODO_HEADER}\n- [x] write the report\n- [ ] send it"
     assert history[2].text.endswith("user_plan: pro")
     await run_turn(h, sid, "after")  # the restored snapshot counts: no new one for the same value
-    assert [i.kind for i in await h.history(sid, "anon")].count("runtime") == 1
+    assert [i.kind for i in await h.sessions.history(sid, "anon")].count("runtime") == 1
     assert "todo" in [t.name for t in turn_requests(model)[-1].tools]
 
 
@@ -223,7 +222,7 @@ async def test_threshold_counts_the_envelope(make_harness: Any) -> None:
     async def compactions(window: int) -> int:
         model = ScriptedModel(summarizing())
         h = await make_harness(Agent(instructions="t", model=model, context_window=window, compaction=config))
-        sid = await h.create_session("anon")
+        sid = await h.sessions.create("anon")
         for n in range(3):
             await run_turn(h, sid, f"m{n}")
         await h.stop()  # harnesses on one Redis share the job stream: only one may run turns
@@ -231,7 +230,7 @@ async def test_threshold_counts_the_envelope(make_harness: Any) -> None:
 
     probe = ScriptedModel(summarizing())
     h = await make_harness(Agent(instructions="t", model=probe))
-    sid = await h.create_session("anon")
+    sid = await h.sessions.create("anon")
     for n in range(3):
         await run_turn(h, sid, f"m{n}")
     await h.stop()
@@ -254,7 +253,7 @@ async def test_threshold_prefers_the_providers_token_count(make_harness: Any) ->
 
         model = ScriptedModel(script)
         h = await make_harness(Agent(instructions="t", model=model, context_window=2_000, compaction=config))
-        sid = await h.create_session("anon")
+        sid = await h.sessions.create("anon")
         for n in range(3):
             await run_turn(h, sid, f"m{n}")
         await h.stop()  # harnesses on one Redis share the job stream: only one may run turns
@@ -277,12 +276,12 @@ async def test_manual_compact_waits_for_the_running_turn(make_harness: Any) -> N
 
     model = ScriptedModel(script)
     h = await make_harness(Agent(instructions="t", model=model, compaction=Compaction(keep_turns=1)))
-    sid = await h.create_session("anon")
+    sid = await h.sessions.create("anon")
     for text in ("one", "two", "three"):
         await run_turn(h, sid, text)
-    slow = await h.submit(sid, "anon", "slow")
+    slow = await h.sessions.submit(sid, "anon", "slow")
     await asyncio.wait_for(thinking.wait(), 10)
-    op_id = await h.compact(sid, "anon")
+    op_id = await h.sessions.compact(sid, "anon")
     assert not summaries(model)
     assert "compaction.requested" not in types(await events_until(h, sid, "turn.started"))
     release.set()
@@ -294,10 +293,10 @@ async def test_manual_compact_waits_for_the_running_turn(make_harness: Any) -> N
         ("compaction.completed", op_id),
         ("session.waiting", op_id),
     ]
-    history = await h.history(sid, "anon")
+    history = await h.sessions.history(sid, "anon")
     assert history[0].kind == "summary" and [i.text for i in history[1:]] == ["slow", "ok"]
     assert all(i.text != "compact" for i in history)  # no user message appended
-    info = await h.session(sid, "anon")
+    info = await h.sessions.info(sid, "anon")
     assert info.status == "idle" and info.queued == 0
 
 
@@ -307,37 +306,37 @@ async def test_clear_drops_history_and_keeps_the_session(make_harness: Any) -> N
 
     model = ScriptedModel(lambda r: ModelReply(text="ok"))
     h = await make_harness(Agent(instructions="t", model=model, runtime_context=[place]))
-    sid = await h.create_session("anon", {"user": "ada"})
+    sid = await h.sessions.create("anon", {"user": "ada"})
     await run_turn(h, sid, "one", {"page": "/orders/7"})
     await run_turn(h, sid, "two")
-    before = await h.session(sid, "anon")
-    op_id = await h.clear(sid, "anon")
+    before = await h.sessions.info(sid, "anon")
+    op_id = await h.sessions.clear(sid, "anon")
     events = await events_until(h, sid, "session.waiting")
     assert [(e["type"], e["turn_id"]) for e in events[-2:]] == [("context.cleared", op_id), ("session.waiting", op_id)]
     assert events[-2]["data"] == {"items": 5}
-    assert await h.history(sid, "anon") == []
-    after = await h.session(sid, "anon")
+    assert await h.sessions.history(sid, "anon") == []
+    after = await h.sessions.info(sid, "anon")
     assert (after.session_id, after.metadata, after.usage, after.status) == (sid, {"user": "ada"}, before.usage, "idle")
     await run_turn(h, sid, "three")
     request = model.requests[-1]
     assert [m.kind for m in request.messages] == ["runtime", "sticky", "message"]  # sticky context kept
     assert request.messages[1].text.endswith("/orders/7") and request.messages[2].text == "three"
-    assert [i.text for i in await h.history(sid, "anon")][1:] == ["three", "ok"]
+    assert [i.text for i in await h.sessions.history(sid, "anon")][1:] == ["three", "ok"]
 
 
 async def test_compact_and_clear_queue_behind_queued_messages_in_order(make_harness: Any) -> None:
     model = ScriptedModel(summarizing())
     h = await make_harness(Agent(instructions="t", model=model, compaction=Compaction(keep_turns=0)))
-    sid = await h.create_session("anon")
-    await h.submit(sid, "anon", "a")
-    await h.clear(sid, "anon")
-    await h.submit(sid, "anon", "b")
-    await h.compact(sid, "anon")
+    sid = await h.sessions.create("anon")
+    await h.sessions.submit(sid, "anon", "a")
+    await h.sessions.clear(sid, "anon")
+    await h.sessions.submit(sid, "anon", "b")
+    await h.sessions.compact(sid, "anon")
     events = await events_until(h, sid, "compaction.completed")
     wanted = ["turn.completed", "context.cleared", "session.waiting", "turn.completed", "compaction.requested"]
     seen = [t for t in types(events) if t in wanted]
     assert seen == wanted
-    history = await h.history(sid, "anon")
+    history = await h.sessions.history(sid, "anon")
     assert [i.kind for i in history] == ["summary"]
     (request,) = summaries(model)
     assert "user: b" in request.messages[-1].text and "user: a" not in request.messages[-1].text
@@ -369,7 +368,7 @@ async def test_a_restored_snapshot_is_not_a_turn_to_summarize_again(make_harness
         compaction=Compaction(keep_turns=1, tool_result_chars=5_000),
     )
     h = await make_harness(agent)
-    sid = await h.create_session("anon")
+    sid = await h.sessions.create("anon")
     for text in ("one " + "a" * 300, "two " + "b" * 300):
         await run_turn(h, sid, text)
     await run_turn(h, sid, "read all")  # every step of this turn is over the threshold
@@ -400,19 +399,19 @@ async def test_a_cancel_during_compaction_ends_the_turn(make_harness: Any) -> No
     h = await make_harness(
         Agent(instructions="t", model=model, context_window=400, compaction=Compaction(keep_turns=1))
     )
-    sid = await h.create_session("anon")
+    sid = await h.sessions.create("anon")
     n = 0
     results = []
     while not summarizing_now.is_set():
         n += 1
-        res = await h.submit(sid, "anon", f"m{n} " + "m" * 200)
+        res = await h.sessions.submit(sid, "anon", f"m{n} " + "m" * 200)
         results.append(res)
-        done = asyncio.create_task(h.wait_turn(res, 10))
+        done = asyncio.create_task(h.sessions.wait_turn(res, 10))
         await asyncio.wait({done, asyncio.create_task(summarizing_now.wait())}, return_when=asyncio.FIRST_COMPLETED)
         assert n < 20
     turns_before = len(turn_requests(model))
-    assert await h.cancel(sid, "anon") == results[-1].turn_id
+    assert await h.sessions.cancel(sid, "anon") == results[-1].turn_id
     release.set()
-    turn = await h.wait_turn(results[-1], 10)
+    turn = await h.sessions.wait_turn(results[-1], 10)
     assert turn.status == "cancelled"
     assert len(turn_requests(model)) == turns_before  # no model call after the cancel

@@ -19,8 +19,8 @@ def all_text(request: ModelRequest) -> str:
 
 
 async def run_turn(h: Any, sid: str, text: str, context: Any = None) -> Any:
-    res = await h.submit(sid, "anon", text, context)
-    turn = await h.wait_turn(res, 10)
+    res = await h.sessions.submit(sid, "anon", text, context)
+    turn = await h.sessions.wait_turn(res, 10)
     assert turn.status == "completed", turn
     return turn
 
@@ -28,13 +28,13 @@ async def run_turn(h: Any, sid: str, text: str, context: Any = None) -> Any:
 async def test_turn_context_is_seen_only_by_its_own_turn(make_harness: Any) -> None:
     model = ScriptedModel(lambda r: ModelReply(text="ok"))
     h = await make_harness(Agent(instructions="t", model=model))
-    sid = await h.create_session("anon")
+    sid = await h.sessions.create("anon")
     for n in (1, 2, 3):
         await run_turn(h, sid, f"Turn {n}", f"CTX-{n}")
     for n, request in enumerate(model.requests, start=1):
         seen = [c for c in ("CTX-1", "CTX-2", "CTX-3") if c in all_text(request)]
         assert seen == [f"CTX-{n}"]
-    history = await h.history(sid, "anon")
+    history = await h.sessions.history(sid, "anon")
     assert [i.text for i in history] == ["Turn 1", "ok", "Turn 2", "ok", "Turn 3", "ok"]
     assert not any("CTX" in i.text for i in history)
 
@@ -43,7 +43,7 @@ async def test_prompt_size_stays_flat_over_50_turns_with_context(make_harness: A
     page = "x" * 2_000  # a large page state: if it leaked into history, prompts would grow by it each turn
     model = ScriptedModel(lambda r: ModelReply(text="ok"))
     h = await make_harness(Agent(instructions="t", model=model))
-    sid = await h.create_session("anon")
+    sid = await h.sessions.create("anon")
     for n in range(50):
         await run_turn(h, sid, "hi", f"{page}-{n:02d}")
     sizes = [len(all_text(r)) for r in model.requests]
@@ -68,7 +68,7 @@ async def test_every_model_call_of_a_tool_turn_sees_its_context(make_harness: An
 
     model = ScriptedModel(script)
     h = await make_harness(Agent(instructions="t", tools=[lookup], model=model))
-    sid = await h.create_session("anon")
+    sid = await h.sessions.create("anon")
     await run_turn(h, sid, "go", ["PAGE-A", "PAGE-B"])
     await run_turn(h, sid, "again")
     first, second = model.requests[:3], model.requests[3:]
@@ -82,7 +82,7 @@ async def test_every_model_call_of_a_tool_turn_sees_its_context(make_harness: An
 async def test_keyed_context_replaces_by_key_and_null_removes(make_harness: Any) -> None:
     model = ScriptedModel(lambda r: ModelReply(text="ok"))
     h = await make_harness(Agent(instructions="t", model=model))
-    sid = await h.create_session("anon")
+    sid = await h.sessions.create("anon")
     await run_turn(h, sid, "1", {"page": "/a", "doc": "D1"})
     await run_turn(h, sid, "2", {"page": "/b"})
     await run_turn(h, sid, "3")
@@ -92,7 +92,7 @@ async def test_keyed_context_replaces_by_key_and_null_removes(make_harness: Any)
     assert seen[1] == ["[page context: doc]\nD1", "[page context: page]\n/b"]
     assert seen[2] == seen[1]  # sticky: shown until replaced
     assert seen[3] == ["[page context: page]\n/b"]
-    history = await h.history(sid, "anon")
+    history = await h.sessions.history(sid, "anon")
     assert not any(i.kind != "message" and i.role == "user" for i in history)
     assert not any(t in i.text for i in history for t in ("/a", "/b", "D1"))
 
@@ -111,11 +111,11 @@ async def test_keyed_context_of_a_queued_message_waits_for_its_turn(make_harness
         return ModelReply(text="ok")
 
     h = await make_harness(Agent(instructions="t", model=ScriptedModel(script)))
-    sid = await h.create_session("anon")
-    first = await h.submit(sid, "anon", "1", {"page": "/first"})
+    sid = await h.sessions.create("anon")
+    first = await h.sessions.submit(sid, "anon", "1", {"page": "/first"})
     await asyncio.wait_for(started.wait(), 5)
-    second = await h.submit(sid, "anon", "2", {"page": "/second"})
+    second = await h.sessions.submit(sid, "anon", "2", {"page": "/second"})
     release.set()
-    assert (await h.wait_turn(first, 10)).status == "completed"
-    assert (await h.wait_turn(second, 10)).status == "completed"
+    assert (await h.sessions.wait_turn(first, 10)).status == "completed"
+    assert (await h.sessions.wait_turn(second, 10)).status == "completed"
     assert calls == [["[page context: page]\n/first"], ["[page context: page]\n/second"]]

@@ -27,12 +27,12 @@ async def test_a_turn_begun_by_submit_waits_for_no_slot_with_an_unrenewed_lease(
         return ModelReply(text="re " + text, usage=Usage(10, 1))
 
     h = await make_harness(Agent(instructions="t", model=ScriptedModel(script)), concurrency=1, lease_ms=300)
-    a, b = await h.create_session("o"), await h.create_session("o")
-    ra, rb = await asyncio.gather(h.submit(a, "o", "A"), h.submit(b, "o", "B"))
-    done_a, done_b = await asyncio.gather(h.wait_turn(ra, 20), h.wait_turn(rb, 20))
+    a, b = await h.sessions.create("o"), await h.sessions.create("o")
+    ra, rb = await asyncio.gather(h.sessions.submit(a, "o", "A"), h.sessions.submit(b, "o", "B"))
+    done_a, done_b = await asyncio.gather(h.sessions.wait_turn(ra, 20), h.sessions.wait_turn(rb, 20))
     assert (done_a.status, done_b.status) == ("completed", "completed")
     assert calls == {"A": 1, "B": 1}  # no model call repeated after a lapsed lease
-    info = await h.session(b, "o")
+    info = await h.sessions.info(b, "o")
     assert info.usage["model_calls"] == 1 and info.usage["input_tokens"] == 10
 
 
@@ -45,7 +45,7 @@ async def test_a_caller_cancelled_mid_submit_strands_no_lease(make_harness: Any,
         return ModelReply(text="hi", usage=Usage(10, 1))
 
     h = await make_harness(Agent(instructions="t", model=ScriptedModel(script)), lease_ms=3000)
-    sid = await h.create_session("o")
+    sid = await h.sessions.create("o")
     real = h.store.submit
     sent = asyncio.Event()
 
@@ -56,14 +56,14 @@ async def test_a_caller_cancelled_mid_submit_strands_no_lease(make_harness: Any,
         return out
 
     h.store.submit = slow_reply  # type: ignore[method-assign]
-    caller = asyncio.create_task(h.submit(sid, "o", "x", message_id="m1"))
+    caller = asyncio.create_task(h.sessions.submit(sid, "o", "x", message_id="m1"))
     await sent.wait()
     caller.cancel()
     h.store.submit = real  # type: ignore[method-assign]
-    res = await h.submit(sid, "o", "x", message_id="m1")  # the client's retry: the same message
-    turn = await h.wait_turn(res, 2.5)  # well inside the 3 s lease: nothing waits for it to lapse
+    res = await h.sessions.submit(sid, "o", "x", message_id="m1")  # the client's retry: the same message
+    turn = await h.sessions.wait_turn(res, 2.5)  # well inside the 3 s lease: nothing waits for it to lapse
     assert turn.status == "completed"
-    assert calls == 1 and (await h.session(sid, "o")).usage["model_calls"] == 1
+    assert calls == 1 and (await h.sessions.info(sid, "o")).usage["model_calls"] == 1
 
 
 async def test_a_flushed_script_cache_keeps_usage_before_the_commit(make_harness: Any, redis: Redis) -> None:
@@ -79,9 +79,9 @@ async def test_a_flushed_script_cache_keeps_usage_before_the_commit(make_harness
         return ModelReply(text="fin", usage=Usage(2, 2))
 
     h = await make_harness(Agent(instructions="t", model=ScriptedModel(script), tools=[restart]))
-    sid = await h.create_session("o")
-    res = await h.submit_and_wait(sid, "o", "go", context=None, message_id=None, timeout=5)
-    types = [e["type"] for e in res.events]
+    sid = await h.sessions.create("o")
+    res = await h.sessions.submit_and_wait(sid, "o", "go", context=None, message_id=None, timeout=5)
+    types = [e.type for e in res.events]
     assert res.status == "completed" and types[-1] == "turn.completed"
     assert types.count("usage.recorded") == 2 and types.index("usage.recorded", 3) < types.index("message.completed")
 
@@ -104,12 +104,14 @@ async def test_a_waiter_hears_a_turn_run_elsewhere_while_this_process_waits_on_t
     here = Harness(redis, Agent(instructions="t", model=model))  # "P1": will wait on P2's lease
     await here.start()
     try:
-        sid = await other.create_session("o")
-        await other.submit(sid, "o", "slow")
-        quick = asyncio.create_task(here.submit_and_wait(sid, "o", "quick", context=None, message_id=None, timeout=3))
+        sid = await other.sessions.create("o")
+        await other.sessions.submit(sid, "o", "slow")
+        quick = asyncio.create_task(
+            here.sessions.submit_and_wait(sid, "o", "quick", context=None, message_id=None, timeout=3)
+        )
         while await redis.llen(f"keel:{{{sid}}}:inbox") < 2:  # noqa: ASYNC110 (quick is queued)
             await asyncio.sleep(0.01)
-        await other.submit(sid, "o", "slower")
+        await other.sessions.submit(sid, "o", "slower")
         release.set()  # P2 finishes "slow", runs "quick", then holds on in "slower"
         result = await asyncio.wait_for(quick, 10)  # (3 s: less than the waiter's 5 s periodic look)
         assert result.status == "completed" and result.reply == "re quick"

@@ -13,6 +13,7 @@ from redis.asyncio import Redis
 from harness import Agent, ToolContext, tool
 from harness.models import ModelReply, ModelRequest, ScriptedModel, ToolCall
 from harness.store.keys import JOBS, JOBS_GROUP
+from tests.events import env
 
 LEASE_MS = 20_000  # far longer than any wait below: a takeover that waits for it fails the test
 
@@ -46,8 +47,8 @@ async def test_a_drain_hands_a_blocked_turn_to_another_runner_at_once(make_harne
     model = Blocking(lambda r: ModelReply(text="re: " + r.messages[-1].text))
     agent = Agent(instructions="t", model=ScriptedModel(model))
     one = await make_harness(agent, lease_ms=LEASE_MS)
-    sid = await one.create_session("anon")
-    sent = await one.submit(sid, "anon", "hello")
+    sid = await one.sessions.create("anon")
+    sent = await one.sessions.submit(sid, "anon", "hello")
     async with asyncio.timeout(10):
         await model.entered.wait()
     model.block = False
@@ -57,15 +58,15 @@ async def test_a_drain_hands_a_blocked_turn_to_another_runner_at_once(make_harne
     jobs, pending = await waiting_jobs(redis)
     assert jobs >= 1 and pending == 0  # a job for the session read by no one; none held by `one`
     two = await make_harness(agent, lease_ms=LEASE_MS)
-    turn = await two.wait_turn(sent, 5)  # well before the lease's 20 s
+    turn = await two.sessions.wait_turn(sent, 5)  # well before the lease's 20 s
     assert turn.status == "completed" and turn.reply == "re: hello"
-    types = [e["type"] for e in turn.events]
+    types = [e.type for e in turn.events]
     assert types.count("turn.started") == 1 and types.count("turn.completed") == 1
     assert types.count("message.completed") == 1 and "turn.cancelled" not in types
-    assert [e["data"].get("failed") for e in turn.events if e["type"] == "usage.recorded"] == [True, None]
-    assert (await two.session(sid, "anon")).usage["model_calls"] == 2  # the cut attempt counted too
+    assert [env(e)["data"].get("failed") for e in turn.events if e.type == "usage.recorded"] == [True, None]
+    assert (await two.sessions.info(sid, "anon")).usage["model_calls"] == 2  # the cut attempt counted too
     assert two.stats.lease_takeovers == 0 and one.stats.handed_over == 1  # given, not taken from a lapsed lease
-    history = await two.history(sid, "anon")
+    history = await two.sessions.history(sid, "anon")
     assert [(i.role, i.text) for i in history] == [("user", "hello"), ("assistant", "re: hello")]
 
 
@@ -89,8 +90,8 @@ async def test_a_tool_running_at_the_drain_finishes_and_commits_once(make_harnes
     model = ScriptedModel(script)
     agent = Agent(instructions="t", tools=[slow], model=model)
     one = await make_harness(agent, lease_ms=LEASE_MS)
-    sid = await one.create_session("anon")
-    sent = await one.submit(sid, "anon", "go")
+    sid = await one.sessions.create("anon")
+    sent = await one.sessions.submit(sid, "anon", "go")
     async with asyncio.timeout(10):
         await running.wait()
     draining = asyncio.create_task(one.hand_over(5))
@@ -102,9 +103,9 @@ async def test_a_tool_running_at_the_drain_finishes_and_commits_once(make_harnes
     jobs, pending = await waiting_jobs(redis)
     assert jobs >= 1 and pending == 0
     two = await make_harness(agent, lease_ms=LEASE_MS)
-    turn = await two.wait_turn(sent, 5)
+    turn = await two.sessions.wait_turn(sent, 5)
     assert turn.status == "completed" and turn.reply == "after slow done"
     assert len(ran) == 1  # its result was committed before the hand-over: not run again
-    types = [e["type"] for e in turn.events]
+    types = [e.type for e in turn.events]
     assert types.count("tool.completed") == 1 and types.count("turn.completed") == 1
     assert len(model.requests) == 2  # the step before the tool was not recomputed

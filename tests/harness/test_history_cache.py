@@ -19,24 +19,24 @@ async def test_two_processes_taking_turns_each_see_the_whole_history(make_harnes
     model = ScriptedModel(lambda r: ModelReply(text=f"a{len(r.messages)}"))
     one = await make_harness(Agent(instructions="t", model=model))
     two = await make_harness(Agent(instructions="t", model=model))
-    sid = await one.create_session("anon")
+    sid = await one.sessions.create("anon")
     expected: list[str] = []
     for n in range(6):
         h = (one, two)[n % 2]
-        turn = await h.wait_turn(await h.submit(sid, "anon", f"u{n}"), 10)
+        turn = await h.sessions.wait_turn(await h.sessions.submit(sid, "anon", f"u{n}"), 10)
         assert turn.status == "completed"
         assert texts(model.requests[-1]) == [*expected, f"u{n}"]
         expected += [f"u{n}", turn.reply]
-    assert [i.text for i in await one.history(sid, "anon")] == expected
+    assert [i.text for i in await one.sessions.history(sid, "anon")] == expected
 
 
 async def test_a_moved_history_start_is_read_again(make_harness: Any, redis: Redis) -> None:
     model = ScriptedModel(lambda r: ModelReply(text="ok"))
     h = await make_harness(Agent(instructions="t", model=model))
-    sid = await h.create_session("anon")
+    sid = await h.sessions.create("anon")
     for n in range(3):
-        await h.wait_turn(await h.submit(sid, "anon", f"u{n}"), 10)
+        await h.sessions.wait_turn(await h.sessions.submit(sid, "anon", f"u{n}"), 10)
     # what compaction or clear will do: the active history starts later in the list
     await redis.hset(f"keel:{{{sid}}}:meta", "hist_start", 4)
-    await h.wait_turn(await h.submit(sid, "anon", "u3"), 10)
+    await h.sessions.wait_turn(await h.sessions.submit(sid, "anon", "u3"), 10)
     assert texts(model.requests[-1]) == ["u2", "ok", "u3"]

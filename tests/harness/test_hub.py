@@ -22,14 +22,14 @@ async def test_a_reader_gets_a_turn_run_elsewhere_though_its_own_event_came_with
     agent = Agent(instructions="t", model=ScriptedModel(lambda r: ModelReply(text="hi")))
     await make_harness(agent)  # the worker
     web = await make_harness(agent, run_turns=False)
-    sid = await web.create_session("anon")
-    reader = web.tail(sid, "0", heartbeat=60.0)
+    sid = await web.sessions.create("anon")
+    reader = web.sessions.tail(sid, "0", heartbeat=60.0)
     try:
         first = await anext(reader)
         assert isinstance(first, StoredEvent) and first.type == "session.created"
         # The reader does not look meanwhile (a busy event loop): the message's event is handed
         # to it, and the notices of the worker's commits arrive (they woke this waiter too).
-        turn = await web.submit_and_wait(sid, "anon", "hello", context=None, message_id=None, timeout=10)
+        turn = await web.sessions.submit_and_wait(sid, "anon", "hello", context=None, message_id=None, timeout=10)
         assert turn.status == "completed"
         seen: list[str] = []
         async with asyncio.timeout(5):

@@ -103,14 +103,14 @@ async def test_history_is_stored_once_whatever_the_callback_does(make_harness: A
 
 
 async def check(h: Any, model: ScriptedModel, plan: Plan, script: list[Turn]) -> None:
-    sid = await h.create_session("anon")
+    sid = await h.sessions.create("anon")
     expected: list[tuple[str, str, str]] = []
     newest_branch: str | None = None
     for n, turn in enumerate(script):
         plan.n, plan.turn, plan.returned, plan.received = n, turn, [], []
         first = len(model.requests)
-        before = await h.history(sid, "anon")
-        result = await h.wait_turn(await h.submit(sid, "anon", f"message {n}"), 10)
+        before = await h.sessions.history(sid, "anon")
+        result = await h.sessions.wait_turn(await h.sessions.submit(sid, "anon", f"message {n}"), 10)
         assert result.status == "completed", result
         if turn.branch != newest_branch:
             expected.append(("user", "runtime", f"branch: {turn.branch}"))
@@ -119,7 +119,7 @@ async def check(h: Any, model: ScriptedModel, plan: Plan, script: list[Turn]) ->
         if turn.tool:
             expected += [("assistant", "message", ""), ("tool", "tool_result", f"pong {n}")]
         expected.append(("assistant", "message", f"reply {n}"))
-        stored = await h.history(sid, "anon")
+        stored = await h.sessions.history(sid, "anon")
         assert stored[: len(before)] == before  # append-only
         assert all(given == before for given in plan.received)  # each call got the history as stored
         assert [(i.role, i.kind, i.text.splitlines()[-1] if i.text else "") for i in stored] == expected
@@ -172,15 +172,15 @@ async def test_a_callback_that_edits_tool_arguments_in_place_changes_nothing_sto
         instructions="t", tools=[ping], model=model, input_callback=redact, compaction=Compaction(keep_turns=3)
     )
     h = await make_harness(agent)
-    sid = await h.create_session("anon")
+    sid = await h.sessions.create("anon")
     for text in ("first", "go", "again", "once more"):  # compact keeps the last three turns verbatim
-        assert (await h.wait_turn(await h.submit(sid, "anon", text), 10)).status == "completed"
-    stored = await h.history(sid, "anon")
+        assert (await h.sessions.wait_turn(await h.sessions.submit(sid, "anon", text), 10)).status == "completed"
+    stored = await h.sessions.history(sid, "anon")
     assert [c.arguments for i in stored for c in i.tool_calls] == [{"n": 7}]
     assert model.requests[-1].messages[3].tool_calls[0].arguments == {"n": -1}  # the model saw the edit
-    await h.compact(sid, "anon")
+    await h.sessions.compact(sid, "anon")
     async with asyncio.timeout(10):
-        async for event in h.tail(sid, "0-0", heartbeat=1.0):
+        async for event in h.sessions.tail(sid, "0-0", heartbeat=1.0):
             if event is not None and event.type == "session.waiting":
                 break
     raw = await h.redis.lrange(f"keel:{{{sid}}}:history", 0, -1)

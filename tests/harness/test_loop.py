@@ -11,10 +11,11 @@ from harness import Agent, ToolContext, tool
 from harness.errors import StaleLease
 from harness.models import ModelReply, ModelRequest, ScriptedModel, ToolCall
 from harness.store import Begun
+from tests.events import env
 
 
 def types_of(turn: Any) -> list[str]:
-    return [e["type"] for e in turn.events]
+    return [e.type for e in turn.events]
 
 
 async def test_tool_loop_runs_tools_and_commits_pairs_in_order(make_harness: Any) -> None:
@@ -33,8 +34,8 @@ async def test_tool_loop_runs_tools_and_commits_pairs_in_order(make_harness: Any
         return ModelReply(text=f"answer {last.text}")
 
     h = await make_harness(Agent(instructions="t", tools=[mul], model=ScriptedModel(script)))
-    sid = await h.create_session("anon")
-    turn = await h.wait_turn(await h.submit(sid, "anon", "6*7?"), 10)
+    sid = await h.sessions.create("anon")
+    turn = await h.sessions.wait_turn(await h.sessions.submit(sid, "anon", "6*7?"), 10)
     assert turn.status == "completed" and turn.reply == "answer 42"
     assert types_of(turn) == [
         "message.received",
@@ -47,7 +48,7 @@ async def test_tool_loop_runs_tools_and_commits_pairs_in_order(make_harness: Any
         "message.completed",
         "turn.completed",
     ]
-    history = await h.history(sid, "anon")
+    history = await h.sessions.history(sid, "anon")
     assert [(i.role, i.text) for i in history] == [
         ("user", "6*7?"),
         ("assistant", "working"),
@@ -56,8 +57,8 @@ async def test_tool_loop_runs_tools_and_commits_pairs_in_order(make_harness: Any
     ]
     call_id = history[1].tool_calls[0].id
     assert call_id == history[2].tool_call_id and call_id != "c1"  # keel's own id, not the model's
-    assert seen_ctx == [ToolContext(session_id=sid, turn_id=turn.events[0]["turn_id"], call_id=call_id)]
-    seqs = [e["seq"] for e in turn.events]
+    assert seen_ctx == [ToolContext(session_id=sid, turn_id=env(turn.events[0])["turn_id"], call_id=call_id)]
+    seqs = [e.seq for e in turn.events]
     assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
 
 
@@ -79,8 +80,8 @@ async def test_bad_tool_calls_become_error_results_and_the_model_goes_on(make_ha
         return ModelReply(text=" | ".join(f"{m.is_error}:{m.text}" for m in results))
 
     h = await make_harness(Agent(instructions="t", tools=[need_int, boom], model=ScriptedModel(script)))
-    sid = await h.create_session("anon")
-    turn = await h.wait_turn(await h.submit(sid, "anon", "go"), 10)
+    sid = await h.sessions.create("anon")
+    turn = await h.sessions.wait_turn(await h.sessions.submit(sid, "anon", "go"), 10)
     assert turn.status == "completed"
     parts = (turn.reply or "").split(" | ")
     assert parts[0].startswith("True:error: invalid arguments for need_int")
@@ -96,12 +97,12 @@ async def test_max_steps_bounds_a_turn(make_harness: Any) -> None:
 
     model = ScriptedModel(lambda r: ModelReply(tool_calls=[ToolCall("again")]))
     h = await make_harness(Agent(instructions="t", tools=[again], model=model, max_steps=3))
-    sid = await h.create_session("anon")
-    turn = await h.wait_turn(await h.submit(sid, "anon", "go"), 10)
+    sid = await h.sessions.create("anon")
+    turn = await h.sessions.wait_turn(await h.sessions.submit(sid, "anon", "go"), 10)
     assert turn.status == "failed"
-    assert turn.events[-1]["data"]["error"]["code"] == "max_steps"
+    assert env(turn.events[-1])["data"]["error"]["code"] == "max_steps"
     assert len(model.requests) == 3
-    assert (await h.session(sid, "anon")).status == "idle"
+    assert (await h.sessions.info(sid, "anon")).status == "idle"
 
 
 async def test_a_model_error_fails_the_turn_and_the_session_goes_on(make_harness: Any) -> None:
@@ -111,15 +112,15 @@ async def test_a_model_error_fails_the_turn_and_the_session_goes_on(make_harness
         return ModelReply(text="fine")
 
     h = await make_harness(Agent(instructions="t", model=ScriptedModel(script)))
-    sid = await h.create_session("anon")
-    bad = await h.wait_turn(await h.submit(sid, "anon", "explode"), 10)
+    sid = await h.sessions.create("anon")
+    bad = await h.sessions.wait_turn(await h.sessions.submit(sid, "anon", "explode"), 10)
     assert bad.status == "failed"
-    assert (await h.session(sid, "anon")).usage["model_calls"] == 1  # the failed attempt may be billed: counted
-    assert bad.events[-1]["data"]["error"] == {
+    assert (await h.sessions.info(sid, "anon")).usage["model_calls"] == 1  # the failed attempt may be billed: counted
+    assert env(bad.events[-1])["data"]["error"] == {
         "code": "model_error",
         "message": "the model call failed: ConnectionError: provider down",
     }
-    good = await h.wait_turn(await h.submit(sid, "anon", "hello"), 10)
+    good = await h.sessions.wait_turn(await h.sessions.submit(sid, "anon", "hello"), 10)
     assert good.status == "completed" and good.reply == "fine"
 
 
@@ -136,35 +137,35 @@ async def test_queued_messages_run_one_at_a_time_in_order(make_harness: Any) -> 
         return ModelReply(text=f"re:{r.messages[-1].text}")
 
     h = await make_harness(Agent(instructions="t", model=ScriptedModel(script)))
-    sid = await h.create_session("anon")
-    results = [await h.submit(sid, "anon", f"m{n}") for n in range(8)]
-    turns = [await h.wait_turn(r, 10) for r in results]
+    sid = await h.sessions.create("anon")
+    results = [await h.sessions.submit(sid, "anon", f"m{n}") for n in range(8)]
+    turns = [await h.sessions.wait_turn(r, 10) for r in results]
     assert [t.reply for t in turns] == [f"re:m{n}" for n in range(8)]
     assert not overlap
-    texts = [i.text for i in await h.history(sid, "anon")]
+    texts = [i.text for i in await h.sessions.history(sid, "anon")]
     assert texts == [x for n in range(8) for x in (f"m{n}", f"re:m{n}")]
 
 
 async def test_a_repeated_message_id_is_one_message_and_one_turn(make_harness: Any) -> None:
     model = ScriptedModel(lambda r: ModelReply(text="once"))
     h = await make_harness(Agent(instructions="t", model=model))
-    sid = await h.create_session("anon")
-    first = await h.submit(sid, "anon", "hello", message_id="m-1")
-    again = await h.submit(sid, "anon", "hello", message_id="m-1")
+    sid = await h.sessions.create("anon")
+    first = await h.sessions.submit(sid, "anon", "hello", message_id="m-1")
+    again = await h.sessions.submit(sid, "anon", "hello", message_id="m-1")
     assert not first.duplicate and again.duplicate
     assert (again.turn_id, again.received_id) == (first.turn_id, first.received_id)
-    turn = await h.wait_turn(again, 10)
+    turn = await h.sessions.wait_turn(again, 10)
     assert turn.status == "completed"
-    later = await h.submit(sid, "anon", "hello", message_id="m-1")  # after the turn: still the same one
-    assert later.duplicate and (await h.wait_turn(later, 10)).events == turn.events
+    later = await h.sessions.submit(sid, "anon", "hello", message_id="m-1")  # after the turn: still the same one
+    assert later.duplicate and (await h.sessions.wait_turn(later, 10)).events == turn.events
     assert len(model.requests) == 1
-    assert [i.text for i in await h.history(sid, "anon")] == ["hello", "once"]
+    assert [i.text for i in await h.sessions.history(sid, "anon")] == ["hello", "once"]
     received = [e async for e in _events(h, sid) if e.type == "message.received"]
     assert len(received) == 1
 
 
 async def _events(h: Any, sid: str) -> Any:
-    for e in await h.store.events(sid, "0-0"):
+    for e in await h.store.outbox.events(sid, "0-0"):
         yield e
 
 
@@ -172,8 +173,8 @@ async def test_a_commit_from_a_stale_lease_is_refused(make_harness: Any, redis: 
     h = await make_harness(
         Agent(instructions="t", model=ScriptedModel(lambda r: ModelReply(text="x"))), run_turns=False
     )
-    sid = await h.create_session("anon")
-    await h.submit(sid, "anon", "hi")
+    sid = await h.sessions.create("anon")
+    await h.sessions.submit(sid, "anon", "hi")
     old = await h.store.begin(sid, "", 5_000)
     assert isinstance(old, Begun)
     assert await redis.delete(f"keel:{{{sid}}}:lease") == 1  # the lease lapses, as when its runner stalls
@@ -191,8 +192,8 @@ async def test_a_busy_session_is_not_begun_twice(make_harness: Any) -> None:
     h = await make_harness(
         Agent(instructions="t", model=ScriptedModel(lambda r: ModelReply(text="x"))), run_turns=False
     )
-    sid = await h.create_session("anon")
-    await h.submit(sid, "anon", "hi")
+    sid = await h.sessions.create("anon")
+    await h.sessions.submit(sid, "anon", "hi")
     first = await h.store.begin(sid, "", 5_000)
     second = await h.store.begin(sid, "", 5_000)
     assert isinstance(first, Begun)
@@ -217,13 +218,13 @@ async def test_a_slow_sync_tool_does_not_stop_other_sessions(make_harness: Any) 
         return ModelReply(text=f"re:{last.text}")
 
     h = await make_harness(Agent(instructions="t", tools=[slow], model=ScriptedModel(script)))
-    a, b = await h.create_session("anon"), await h.create_session("anon")
-    blocked = await h.submit(a, "anon", "slow")
+    a, b = await h.sessions.create("anon"), await h.sessions.create("anon")
+    blocked = await h.sessions.submit(a, "anon", "slow")
     # while session a's tool blocks, session b's turn completes: the event loop is free
-    other = await h.wait_turn(await h.submit(b, "anon", "quick"), 5)
+    other = await h.sessions.wait_turn(await h.sessions.submit(b, "anon", "quick"), 5)
     assert other.status == "completed" and other.reply == "re:quick"
     release.set()
-    assert (await h.wait_turn(blocked, 10)).reply == "re:slow done"
+    assert (await h.sessions.wait_turn(blocked, 10)).reply == "re:slow done"
 
 
 @pytest.mark.parametrize(
@@ -237,23 +238,23 @@ async def test_the_python_api_refuses_malformed_context_and_writes_nothing(
 
     agent = Agent(instructions="t", model=ScriptedModel(lambda r: ModelReply(text="ok")))
     h = await make_harness(agent, run_turns=False)  # no runner writing in the background
-    sid = await h.create_session("anon")
+    sid = await h.sessions.create("anon")
     before = {k: await redis.dump(k) for k in await redis.keys("*")}
     with pytest.raises(InvalidInput):
-        await h.submit(sid, "anon", "hi", context)
+        await h.sessions.submit(sid, "anon", "hi", context)
     assert {k: await redis.dump(k) for k in await redis.keys("*")} == before
-    assert not (await h.submit(sid, "anon", "next", {"page": "ok"})).duplicate
+    assert not (await h.sessions.submit(sid, "anon", "next", {"page": "ok"})).duplicate
 
 
 async def test_a_redis_that_forgot_keels_scripts_records_each_step_once(make_harness: Any, redis: Any) -> None:
     model = ScriptedModel(lambda r: ModelReply(text="ok"))
     h = await make_harness(Agent(instructions="t", model=model))
-    sid = await h.create_session("anon")
-    await h.wait_turn(await h.submit(sid, "anon", "one"), 10)
+    sid = await h.sessions.create("anon")
+    await h.sessions.wait_turn(await h.sessions.submit(sid, "anon", "one"), 10)
     await redis.script_flush()  # as after a Redis restart without persistence of the script cache
-    turn = await h.wait_turn(await h.submit(sid, "anon", "two"), 10)
+    turn = await h.sessions.wait_turn(await h.sessions.submit(sid, "anon", "two"), 10)
     assert turn.status == "completed"
-    events = [e.type for e in await h.store.events(sid, "0-0")]
+    events = [e.type for e in await h.store.outbox.events(sid, "0-0")]
     assert events.count("usage.recorded") == 2 and events.count("turn.completed") == 2
-    assert [i.text for i in await h.history(sid, "anon")] == ["one", "ok", "two", "ok"]
-    assert (await h.session(sid, "anon")).usage["model_calls"] == 2
+    assert [i.text for i in await h.sessions.history(sid, "anon")] == ["one", "ok", "two", "ok"]
+    assert (await h.sessions.info(sid, "anon")).usage["model_calls"] == 2

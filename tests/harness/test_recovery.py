@@ -29,23 +29,23 @@ async def test_a_lost_lease_mid_turn_is_recovered_from_the_last_commit(make_harn
 
     model = ScriptedModel(script)
     h = await make_harness(Agent(instructions="t", tools=[charge], model=model), lease_ms=500)
-    sid = await h.create_session("anon")
-    turn = await h.wait_turn(await h.submit(sid, "anon", "pay"), 15)
+    sid = await h.sessions.create("anon")
+    turn = await h.sessions.wait_turn(await h.sessions.submit(sid, "anon", "pay"), 15)
     assert turn.status == "completed" and turn.reply == "done: charged 5"
     assert len(keys_seen) == 2 and keys_seen[0] == keys_seen[1]  # re-run with the same idempotency key
     assert len(model.requests) == 2  # the committed first step was not recomputed
     assert h.stats.lease_takeovers == 1  # (keel_lease_takeovers_total)
     assert h.stats.turns == {"completed": 1}
-    history = await h.history(sid, "anon")
+    history = await h.sessions.history(sid, "anon")
     assert [(i.role, i.text) for i in history] == [
         ("user", "pay"),
         ("assistant", ""),
         ("tool", "charged 5"),
         ("assistant", "done: charged 5"),
     ]
-    types = [e["type"] for e in turn.events]
+    types = [e.type for e in turn.events]
     assert types.count("turn.started") == 1 and types.count("tool.completed") == 1
-    assert (await h.session(sid, "anon")).status == "idle"
+    assert (await h.sessions.info(sid, "anon")).status == "idle"
 
 
 async def test_an_attempt_whose_reply_dies_with_the_process_is_still_counted(
@@ -67,10 +67,12 @@ async def test_an_attempt_whose_reply_dies_with_the_process_is_still_counted(
     monkeypatch.setattr(Store, "commit", dying)
     model = ScriptedModel(lambda r: ModelReply(text="hi"))
     h = await make_harness(Agent(instructions="t", model=model), lease_ms=500)
-    sid = await h.create_session("anon")
-    turn = await h.wait_turn(await h.submit(sid, "anon", "hello"), 15)  # the reclaimed job retries the step
+    sid = await h.sessions.create("anon")
+    turn = await h.sessions.wait_turn(
+        await h.sessions.submit(sid, "anon", "hello"), 15
+    )  # the reclaimed job retries the step
     assert turn.status == "completed" and died == [1]
-    info = await h.session(sid, "anon")
+    info = await h.sessions.info(sid, "anon")
     assert len(model.requests) == 2
     assert info.usage["model_calls"] == 2  # both provider attempts, the one whose reply was lost too
-    assert [e["type"] for e in turn.events].count("usage.recorded") == 1  # tokens known for one only
+    assert [e.type for e in turn.events].count("usage.recorded") == 1  # tokens known for one only

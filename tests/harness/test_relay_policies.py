@@ -65,11 +65,11 @@ async def test_a_parked_delivery_still_gives_up_after_give_up_after(make_harness
     dest = Fake("fake", policy, "fail")
     h = await make_harness(echo_agent(), run_turns=False)
     await h.start_relay([dest])
-    sid = await h.create_session("k")
+    sid = await h.sessions.create("k")
     await redis.execute_command(*relay_job(sid, "fake"))
 
     async def buried() -> bool:
-        return bool(await h.deliveries.dead("fake"))
+        return bool(await h.store.deliveries.dead("fake"))
 
     try:
         await eventually(buried, 8.0)
@@ -87,16 +87,16 @@ async def test_a_parked_redelivery_of_a_dead_letter_is_not_lost(make_harness: An
     dest = Fake("fake", policy, "fail")
     h = await make_harness(echo_agent(), run_turns=False)
     await h.start_relay([dest])
-    sid = await h.create_session("k")
+    sid = await h.sessions.create("k")
     await redis.execute_command(*relay_job(sid, "fake"))
 
     async def buried() -> bool:
-        return bool(await h.deliveries.dead("fake"))
+        return bool(await h.store.deliveries.dead("fake"))
 
     await eventually(buried, 5.0)
-    (letter,) = await h.deliveries.dead("fake")
+    (letter,) = await h.store.deliveries.dead("fake")
     dest.mode, dest.after = "busy", 1.0  # still down, asks for a second
-    assert await h.retry_dead_letters("fake") == 1
+    assert await h.webhooks.retry_dead_letters("fake") == 1
 
     async def tried_again() -> bool:
         return any(o == "busy" for _, _, o in dest.sends)
@@ -106,7 +106,7 @@ async def test_a_parked_redelivery_of_a_dead_letter_is_not_lost(make_harness: An
 
     async def delivered_or_listed() -> bool:
         ok = any(o == "ok" and ref == f"e:{letter.event_id}" for ref, _, o in dest.sends)
-        return ok or bool(await h.deliveries.dead("fake"))
+        return ok or bool(await h.store.deliveries.dead("fake"))
 
     try:
         await eventually(delivered_or_listed, 6.0)
@@ -125,14 +125,14 @@ async def test_slow_destinations_take_every_relay_slot(make_harness: Any, redis:
     h = await make_harness(echo_agent(), run_turns=False)
     await h.start_relay([slow, quick], concurrency=2)
     for _ in range(2):
-        sid = await h.create_session("k")
+        sid = await h.sessions.create("k")
         await redis.execute_command(*relay_job(sid, "slow"))
 
     async def slow_busy() -> bool:
         return slow.calls >= 1
 
     await eventually(slow_busy, 5.0)  # the slow destination is in its calls (as many as its share)
-    sid = await h.create_session("k")
+    sid = await h.sessions.create("k")
     t0 = time.time()
     await redis.execute_command(*relay_job(sid, "quick"))
 
@@ -154,9 +154,9 @@ async def test_a_job_for_a_channel_this_process_does_not_serve_is_left_for_anoth
     from channels.webhooks.outbound import OutboundWebhooks
 
     h = await make_harness(echo_agent(), run_turns=False)
-    outbound = OutboundWebhooks(h.hooks, allow_private=True, timeout=5, retry_hours=1)
+    outbound = OutboundWebhooks(h, allow_private=True, timeout=5, retry_hours=1)
     await h.start_relay([], resolve=outbound.resolve)
-    sid = await h.create_session("k")
+    sid = await h.sessions.create("k")
     await redis.execute_command(*relay_job(sid, "slack"))
 
     async def taken() -> bool:  # read by this process's relay (pending for it) ...

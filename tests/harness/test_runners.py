@@ -18,9 +18,9 @@ async def test_racing_begins_let_exactly_one_runner_in(make_harness: Any) -> Non
     agent = Agent(instructions="t", model=ScriptedModel(lambda r: ModelReply(text="x")))
     one = await make_harness(agent, run_turns=False)
     two = await make_harness(agent, run_turns=False)
-    sid = await one.create_session("anon")
+    sid = await one.sessions.create("anon")
     for n in range(30):
-        await one.submit(sid, "anon", f"m{n}")
+        await one.sessions.submit(sid, "anon", f"m{n}")
         a, b = await asyncio.gather(one.store.begin(sid, "", 5_000), two.store.begin(sid, "", 5_000))
         winners = [x for x in (a, b) if isinstance(x, Begun)]
         assert len(winners) == 1 and any(isinstance(x, Busy) for x in (a, b))
@@ -47,12 +47,12 @@ async def test_two_processes_running_one_session_never_overlap(make_harness: Any
     model = ScriptedModel(script)
     one = await make_harness(Agent(instructions="t", model=model))
     two = await make_harness(Agent(instructions="t", model=model))
-    sid = await one.create_session("anon")
-    sent = [await (one, two)[n % 2].submit(sid, "anon", f"m{n}") for n in range(20)]
+    sid = await one.sessions.create("anon")
+    sent = [await (one, two)[n % 2].sessions.submit(sid, "anon", f"m{n}") for n in range(20)]
     for res in sent:
-        assert (await one.wait_turn(res, 20)).status == "completed"
+        assert (await one.sessions.wait_turn(res, 20)).status == "completed"
     assert most == 1
-    texts = [i.text for i in await one.history(sid, "anon")]
+    texts = [i.text for i in await one.sessions.history(sid, "anon")]
     assert texts == [x for n in range(20) for x in (f"m{n}", f"re:m{n}")]
     assert len(model.requests) == 20
 
@@ -64,9 +64,9 @@ async def test_a_worker_goes_on_when_redis_lost_the_job_stream(make_harness: Any
     agent = Agent(instructions="t", model=ScriptedModel(lambda r: ModelReply(text="hi")))
     await make_harness(agent)  # the worker
     web = await make_harness(agent, run_turns=False)
-    sid = await web.create_session("anon")
-    assert (await web.wait_turn(await web.submit(sid, "anon", "before"), 10)).reply == "hi"
+    sid = await web.sessions.create("anon")
+    assert (await web.sessions.wait_turn(await web.sessions.submit(sid, "anon", "before"), 10)).reply == "hi"
     await redis.flushall()  # sessions, the stream and its group: gone
-    sid = await web.create_session("anon")
-    turn = await web.wait_turn(await web.submit(sid, "anon", "after"), 10)
+    sid = await web.sessions.create("anon")
+    turn = await web.sessions.wait_turn(await web.sessions.submit(sid, "anon", "after"), 10)
     assert turn.status == "completed" and turn.reply == "hi"

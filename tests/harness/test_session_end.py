@@ -14,9 +14,9 @@ from redis.asyncio import Redis
 
 from harness import Agent, Harness
 from harness.errors import NotFound, StaleLease
-from harness.events import LiveEvent, StoredEvent, event_body
+from harness.events import LiveEvent, StoredEvent, TurnCompletedData, pending
 from harness.models import ModelReply, ModelRequest, ScriptedModel
-from harness.store import Begun, Deliveries, Store, UsageRecord
+from harness.store import Begun, Deliveries, NoWork, Store, UsageRecord
 from harness.store.keys import DeliveryKeys, SessionKeys
 from harness.types import InboxMessage, Item, Usage
 from tests.channels.slack_support import eventually
@@ -52,7 +52,7 @@ def echo() -> Agent:
 
 async def test_a_runner_holding_the_lease_writes_nothing_into_a_deleted_session(redis: Redis, stores: Any) -> None:
     store = stores()
-    await store.load_scripts()
+    await store.start()
     sid = "ses_0000000000000000000000dead"
     await store.create(sid, "o", {})
     await store.submit(sid, "o", message("hi", 1))
@@ -66,7 +66,7 @@ async def test_a_runner_holding_the_lease_writes_nothing_into_a_deleted_session(
 
     item = Item(id="it_1", role="assistant", text="late", turn_id="turn_1")
     usage = UsageRecord(step=0, usage=Usage(input_tokens=5, output_tokens=1))
-    done = ("turn.completed", event_body("turn_1", {"message_id": "m1"}))
+    done = pending("turn_1", TurnCompletedData("m1", "late"))
     for mode in ("step", "final", "pause"):
         with pytest.raises(StaleLease):
             await store.commit(sid, fence, "turn_1", [item], [done], mode=mode, usage=usage)  # type: ignore[arg-type]
@@ -76,7 +76,7 @@ async def test_a_runner_holding_the_lease_writes_nothing_into_a_deleted_session(
         await store.count_attempt(sid)
     assert not await store.renew(sid, fence, 5_000)
     await store.release(sid, fence)
-    assert await store.begin(sid, "", 5_000) is None  # no session: nothing to run
+    assert isinstance(await store.begin(sid, "", 5_000), NoWork)  # no session: nothing to run
     assert await keys_of(redis, sid) == set()  # not one key made again
 
     with pytest.raises(NotFound):
@@ -88,7 +88,7 @@ async def test_a_runner_holding_the_lease_writes_nothing_into_a_deleted_session(
 
 async def test_delete_is_the_owners_only_and_takes_the_relay_keys_too(redis: Redis, stores: Any) -> None:
     store = stores()
-    await store.load_scripts()
+    await store.start()
     sid = "ses_0000000000000000000000rly1"
     await store.create(sid, "o", {"where": "here"})
     await store.submit(sid, "o", message("hi", 1))
@@ -122,7 +122,7 @@ async def test_a_history_cache_is_not_taken_for_a_session_made_again_under_its_i
     deleted and made again under the same id (a webhook channel's conversation), and grows as
     long elsewhere. The first process must not take its old copy for the new history."""
     here, there = stores(), stores()
-    await here.load_scripts()
+    await here.start()
     sid = "ses_0000000000000000000000agn1"
 
     async def turn(store: Store, n: int, text: str) -> list[str]:
@@ -147,11 +147,11 @@ async def test_a_history_cache_is_not_taken_for_a_session_made_again_under_its_i
 async def test_a_message_racing_the_delete_leaves_no_half_session(make_harness: Any, redis: Redis) -> None:
     h: Harness = await make_harness(echo())
     for round_ in range(5):
-        sid = await h.create_session("o")
-        await h.submit(sid, "o", "first")
-        sends = [asyncio.create_task(h.submit(sid, "o", f"m{n}")) for n in range(8)]
+        sid = await h.sessions.create("o")
+        await h.sessions.submit(sid, "o", "first")
+        sends = [asyncio.create_task(h.sessions.submit(sid, "o", f"m{n}")) for n in range(8)]
         await asyncio.sleep(0)  # (let some of them start)
-        await h.delete(sid, "o")
+        await h.sessions.delete(sid, "o")
         for result in await asyncio.gather(*sends, return_exceptions=True):
             assert not isinstance(result, BaseException) or isinstance(result, NotFound), result
 
@@ -160,7 +160,7 @@ async def test_a_message_racing_the_delete_leaves_no_half_session(make_harness: 
 
         await eventually(settled, 10, f"round {round_}: the session's keys are all gone")
         with pytest.raises(NotFound):
-            await h.submit(sid, "o", "after")
+            await h.sessions.submit(sid, "o", "after")
         assert await keys_of(redis, sid) == set()
 
 
@@ -170,22 +170,22 @@ async def test_a_message_racing_the_delete_leaves_no_half_session(make_harness: 
 async def test_delete_stops_the_turn_and_ends_every_reader_here(make_harness: Any, redis: Redis) -> None:
     in_call, gate, cut = asyncio.Event(), asyncio.Event(), asyncio.Event()
     h: Harness = await make_harness(blocking_agent(in_call, gate, cut), session_ttl_ms=60_000)
-    sid = await h.create_session("o")
+    sid = await h.sessions.create("o")
     seen: list[StoredEvent | LiveEvent] = []
 
     async def read(deltas: bool) -> None:
-        async for event in h.outbox.tail(sid, "0-0", heartbeat=30, deltas=deltas):
+        async for event in h.store.outbox.tail(sid, "0-0", heartbeat=30, deltas=deltas):
             if event is not None:
                 seen.append(event)
 
     readers = [asyncio.create_task(read(True)), asyncio.create_task(read(False))]
-    await h.submit(sid, "o", "slow")
+    await h.sessions.submit(sid, "o", "slow")
     await asyncio.wait_for(in_call.wait(), 5)
     with pytest.raises(NotFound):
-        await h.delete(sid, "another owner")
+        await h.sessions.delete(sid, "another owner")
     assert await keys_of(redis, sid)
 
-    await h.delete(sid, "o")
+    await h.sessions.delete(sid, "o")
     await asyncio.wait_for(cut.wait(), 5)  # the model call was cut at once
     await asyncio.wait_for(asyncio.gather(*readers), 5)  # both readers ended (heartbeat 30 s)
     ends = [e for e in seen if e.type == "session.deleted"]
@@ -197,16 +197,18 @@ async def test_delete_stops_the_turn_and_ends_every_reader_here(make_harness: An
     await eventually(idle, 10)  # the runner tried its cancel commit: refused
     assert await keys_of(redis, sid) == set()
     with pytest.raises(NotFound):
-        await h.session(sid, "o")
+        await h.sessions.info(sid, "o")
 
 
 async def test_a_waiter_of_a_deleted_sessions_turn_gets_not_found(make_harness: Any) -> None:
     in_call, gate, cut = asyncio.Event(), asyncio.Event(), asyncio.Event()
     h: Harness = await make_harness(blocking_agent(in_call, gate, cut))
-    sid = await h.create_session("o")
-    waiting = asyncio.create_task(h.submit_and_wait(sid, "o", "slow", context=None, message_id=None, timeout=30))
+    sid = await h.sessions.create("o")
+    waiting = asyncio.create_task(
+        h.sessions.submit_and_wait(sid, "o", "slow", context=None, message_id=None, timeout=30)
+    )
     await asyncio.wait_for(in_call.wait(), 5)
-    await h.delete(sid, "o")
+    await h.sessions.delete(sid, "o")
     with pytest.raises(NotFound):
         await asyncio.wait_for(waiting, 5)
 
@@ -216,11 +218,11 @@ async def test_a_reader_in_another_process_is_told(make_harness: Any, redis: Red
     other = Harness.connect(valkey.url, echo(), run_turns=False)  # its own client, hub and pub/sub
     await other.start()
     try:
-        sid = await h.create_session("o")
+        sid = await h.sessions.create("o")
         got: list[LiveEvent] = []
 
         async def read() -> None:
-            async for event in other.tail(sid, "0-0", heartbeat=30):  # no periodic look in time
+            async for event in other.sessions.tail(sid, "0-0", heartbeat=30):  # no periodic look in time
                 if isinstance(event, LiveEvent):
                     got.append(event)
 
@@ -230,7 +232,7 @@ async def test_a_reader_in_another_process_is_told(make_harness: Any, redis: Red
             return bool((await redis.pubsub_shardnumsub(SessionKeys(sid).live))[0][1])
 
         await eventually(subscribed, 5)
-        await h.delete(sid, "o")
+        await h.sessions.delete(sid, "o")
         await asyncio.wait_for(reader, 5)
         assert [e.type for e in got] == ["session.deleted"] and b'"reason":"deleted"' in got[0].raw
     finally:
@@ -239,11 +241,11 @@ async def test_a_reader_in_another_process_is_told(make_harness: Any, redis: Red
 
 async def test_a_reader_that_missed_the_notice_finds_the_session_gone(make_harness: Any, redis: Redis) -> None:
     h: Harness = await make_harness(echo(), run_turns=False)
-    sid = await h.create_session("o")
+    sid = await h.sessions.create("o")
     await h.store.delete(sid, "o")  # (the store alone: no notice to anyone)
     got: list[Any] = []
     async with asyncio.timeout(5):
-        async for event in h.tail(sid, "0-0", heartbeat=0.1):
+        async for event in h.sessions.tail(sid, "0-0", heartbeat=0.1):
             got.append(event)
     assert got[-1] is not None and got[-1].type == "session.deleted" and b'"reason":"gone"' in got[-1].raw
 

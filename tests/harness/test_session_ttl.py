@@ -38,21 +38,21 @@ def approving_agent() -> Agent:
 
 async def test_every_key_of_a_session_shares_one_deadline(make_harness: Any, redis: Redis) -> None:
     h: Harness = await make_harness(approving_agent(), session_ttl_ms=3_600_000)
-    sid = await h.create_session("o")
+    sid = await h.sessions.create("o")
     first = await deadlines(redis, sid)
     assert len(set(first.values())) == 1 and next(iter(first.values())) > 0
-    r = await h.submit_and_wait(sid, "o", "hi", context={"page": "p1"}, message_id=None, timeout=10)
+    r = await h.sessions.submit_and_wait(sid, "o", "hi", context={"page": "p1"}, message_id=None, timeout=10)
     assert r.status == "completed"
-    r = await h.submit_and_wait(sid, "o", "wipe disk", context=None, message_id=None, timeout=10)
+    r = await h.sessions.submit_and_wait(sid, "o", "wipe disk", context=None, message_id=None, timeout=10)
     assert r.status == "waiting"  # a pause: its requests made `pending`
     paused = await deadlines(redis, sid)
     assert {SessionKeys(sid).pending, SessionKeys(sid).sticky, SessionKeys(sid).history} <= set(paused)
     assert len(set(paused.values())) == 1, paused
-    (rid,) = await h.pending(sid, "o")
-    await h.respond(sid, "o", rid, "approve")  # `decisions` made by the answer
+    (rid,) = await h.sessions.pending(sid, "o")
+    await h.sessions.respond(sid, "o", rid, "approve")  # `decisions` made by the answer
     assert SessionKeys(sid).decisions in await deadlines(redis, sid)
     assert len(set((await deadlines(redis, sid)).values())) == 1
-    r = await h.submit_and_wait(sid, "o", "again", context=None, message_id=None, timeout=10)
+    r = await h.sessions.submit_and_wait(sid, "o", "again", context=None, message_id=None, timeout=10)
     assert r.status == "completed"
     last = await deadlines(redis, sid)
     assert len(set(last.values())) == 1 and set(last) >= set(paused) - {SessionKeys(sid).inbox}  # (emptied)
@@ -64,7 +64,7 @@ async def test_every_write_leaves_the_session_on_one_deadline(redis: Redis, stor
     that keep the session set them all, the others copy meta's to the key they made."""
     store = stores()
     store.ttl_ms = 3_600_000
-    await store.load_scripts()
+    await store.start()
 
     async def one(sid: str) -> int:
         at = await deadlines(redis, sid)
@@ -110,16 +110,16 @@ async def test_every_write_leaves_the_session_on_one_deadline(redis: Redis, stor
 
 async def test_without_a_ttl_nothing_of_a_session_expires(make_harness: Any, redis: Redis) -> None:
     h: Harness = await make_harness(approving_agent(), session_ttl_ms=0)
-    sid = await h.create_session("o")
-    await h.submit_and_wait(sid, "o", "wipe disk", context={"page": "p"}, message_id=None, timeout=10)
+    sid = await h.sessions.create("o")
+    await h.sessions.submit_and_wait(sid, "o", "wipe disk", context={"page": "p"}, message_id=None, timeout=10)
     assert set((await deadlines(redis, sid)).values()) == {-1}
 
 
 async def test_an_idle_session_disappears_whole(make_harness: Any, redis: Redis) -> None:
     ttl = 300
     h: Harness = await make_harness(approving_agent(), session_ttl_ms=ttl)
-    sid = await h.create_session("o")
-    await h.submit_and_wait(sid, "o", "wipe disk", context={"page": "p"}, message_id=None, timeout=10)
+    sid = await h.sessions.create("o")
+    await h.sessions.submit_and_wait(sid, "o", "wipe disk", context={"page": "p"}, message_id=None, timeout=10)
     full = await keys_of(redis, sid)
     k = SessionKeys(sid)
     assert full == {k.meta, k.inbox, k.history, k.sticky, k.outbox, k.pending, k.mids}  # paused for approval
@@ -133,28 +133,28 @@ async def test_an_idle_session_disappears_whole(make_harness: Any, redis: Redis)
     await eventually(gone, 5)
     assert all(n in (0, len(full)) for n in seen), f"a partial session was seen: {seen}"
     with pytest.raises(NotFound):
-        await h.session(sid, "o")
+        await h.sessions.info(sid, "o")
 
 
 async def test_an_active_session_keeps_every_key(make_harness: Any, redis: Redis) -> None:
     ttl = 400
     h: Harness = await make_harness(approving_agent(), session_ttl_ms=ttl)
-    sid = await h.create_session("o")
+    sid = await h.sessions.create("o")
     loop = asyncio.get_running_loop()
     began, n = loop.time(), 0
     while loop.time() - began < 3 * ttl / 1000:  # turns for three TTLs, each well within one
         n += 1
-        r = await h.submit_and_wait(sid, "o", f"m{n}", context={"page": str(n)}, message_id=None, timeout=10)
+        r = await h.sessions.submit_and_wait(sid, "o", f"m{n}", context={"page": str(n)}, message_id=None, timeout=10)
         assert r.status == "completed"
         assert len(set((await deadlines(redis, sid)).values())) == 1
-    assert len(await h.history(sid, "o")) == 2 * n
-    assert (await h.session(sid, "o")).usage["model_calls"] == n
+    assert len(await h.sessions.history(sid, "o")) == 2 * n
+    assert (await h.sessions.info(sid, "o")).usage["model_calls"] == n
 
 
 async def test_relay_state_expires_with_its_session_and_is_not_written_after(redis: Redis, stores: Any) -> None:
     store = stores()
     store.ttl_ms = 3_600_000
-    await store.load_scripts()
+    await store.start()
     sid = "ses_0000000000000000000000rly2"
     await store.create(sid, "o", {})
     deliveries = Deliveries(redis, store.wire)

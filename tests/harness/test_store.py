@@ -18,6 +18,7 @@ from harness.models import ModelReply, ModelRequest, ScriptedModel, ToolCall
 from harness.store import Begun, Store, connect
 from harness.types import InboxMessage, Item
 from tests.conftest import free_port
+from tests.events import env
 
 
 def idle_agent() -> Agent:
@@ -33,7 +34,7 @@ async def test_a_redis_that_does_not_answer_is_unavailable_never_a_redis_error()
         store.create("ses_x", "o", {}),
         store.submit("ses_x", "o", message),
         store.begin("ses_x", "", 5_000),
-        store.events("ses_x", "0-0"),
+        store.outbox.events("ses_x", "0-0"),
         store.meta("ses_x", "o"),
         store.add_job("ses_x"),
     ]
@@ -48,25 +49,25 @@ async def test_a_redis_that_does_not_answer_is_unavailable_never_a_redis_error()
 
 async def test_the_inbox_holds_the_message_as_python_encoded_it(make_harness: Any, redis: Redis) -> None:
     h = await make_harness(idle_agent(), run_turns=False)
-    sid = await h.create_session("o")
-    res = await h.submit(sid, "o", 'quote " brace } and é', {"page": "/p/1", "gone": None}, message_id="m-1")
+    sid = await h.sessions.create("o")
+    res = await h.sessions.submit(sid, "o", 'quote " brace } and é', {"page": "/p/1", "gone": None}, message_id="m-1")
     (raw,) = await redis.lrange(f"keel:{{{sid}}}:inbox", 0, -1)
     entry = msgspec.json.decode(raw, type=InboxMessage)
     assert raw == msgspec.json.encode(entry)  # stored byte for byte, nothing spliced in
     assert (entry.message_id, entry.turn_id, entry.text) == ("m-1", res.turn_id, 'quote " brace } and é')
-    again = await h.submit(sid, "o", "other text", message_id="m-1")  # the idempotency record names the first
+    again = await h.sessions.submit(sid, "o", "other text", message_id="m-1")  # the idempotency record names the first
     assert (again.duplicate, again.turn_id, again.received_id) == (True, res.turn_id, res.received_id)
 
 
 async def test_a_rebase_longer_than_luas_unpack_limit_commits(make_harness: Any) -> None:
     h = await make_harness(idle_agent(), run_turns=False)
-    sid = await h.create_session("o")
-    await h.submit(sid, "o", "hi")
+    sid = await h.sessions.create("o")
+    await h.sessions.submit(sid, "o", "hi")
     begun = await h.store.begin(sid, "", 5_000)
     assert isinstance(begun, Begun)
     items = [Item(id=f"it_{n}", role="user", text=f"item {n}") for n in range(9_000)]
     await h.store.commit(sid, begun.fence, begun.message.turn_id, items, [], rebase=len(items))
-    history = await h.history(sid, "o")
+    history = await h.sessions.history(sid, "o")
     assert [i.id for i in history] == [i.id for i in items]
 
 
@@ -82,15 +83,15 @@ async def test_a_cancelled_pause_withdraws_its_requests_in_the_order_they_were_m
         return ModelReply(text="ok")
 
     h = await make_harness(Agent(instructions="t", tools=[delete], model=ScriptedModel(script)))
-    sid = await h.create_session("o")
-    submitted = await h.submit(sid, "o", "delete them")
-    turn = await h.wait_turn(submitted, 10)
-    asked = [q["request_id"] for q in turn.events[-1]["data"]["requests"]]
+    sid = await h.sessions.create("o")
+    submitted = await h.sessions.submit(sid, "o", "delete them")
+    turn = await h.sessions.wait_turn(submitted, 10)
+    asked = [q["request_id"] for q in env(turn.events[-1])["data"]["requests"]]
     assert turn.status == "waiting" and len(asked) == 6
-    await h.cancel(sid, "o")
+    await h.sessions.cancel(sid, "o")
     withdrawn = []
     async with asyncio.timeout(10):
-        async for event in h.tail(sid, "0-0", heartbeat=1.0):
+        async for event in h.sessions.tail(sid, "0-0", heartbeat=1.0):
             if isinstance(event, StoredEvent) and event.type == "input.resolved":
                 withdrawn.append(msgspec.json.decode(event.raw)["data"]["request_id"])
             if isinstance(event, StoredEvent) and event.type == "turn.cancelled":

@@ -19,6 +19,7 @@ from harness.loop.compaction import Compaction
 from harness.models.anthropic import AnthropicModel
 from harness.models.base import ModelRequest
 from harness.types import Item
+from tests.events import env
 from tests.models.anthropic_server import AnthropicServer, Reply, text, thinking, tool_use
 
 
@@ -43,9 +44,9 @@ def claude(server: AnthropicServer, **kw: Any) -> AnthropicModel:
 
 
 async def turn(h: Harness, text_: str = "hi", sid: str | None = None) -> tuple[str, dict[str, Any]]:
-    sid = sid or await h.create_session("o")
-    result = await h.wait_turn(await h.submit(sid, "o", text_), 15)
-    return sid, {"status": result.status, "reply": result.reply, "events": result.events}
+    sid = sid or await h.sessions.create("o")
+    result = await h.sessions.wait_turn(await h.sessions.submit(sid, "o", text_), 15)
+    return sid, {"status": result.status, "reply": result.reply, "events": [env(e) for e in result.events]}
 
 
 async def test_a_reply_streams_and_the_request_is_built_for_the_cache(
@@ -53,12 +54,12 @@ async def test_a_reply_streams_and_the_request_is_built_for_the_cache(
 ) -> None:
     server.replies = [Reply([text("Hello there, human.")], chunks=4)]
     h = await make_harness(Agent(instructions="Be brief.", tools=[add], model=claude(server)))
-    sid = await h.create_session("o")
+    sid = await h.sessions.create("o")
     deltas: list[str] = []
     ready = asyncio.Event()
 
     async def read() -> None:
-        async for event in h.tail(sid, "0-0", heartbeat=5):
+        async for event in h.sessions.tail(sid, "0-0", heartbeat=5):
             ready.set()  # (the first event, session.created, comes once the reader is in place)
             if isinstance(event, LiveEvent):
                 deltas.append(json.loads(event.raw)["data"]["delta"])
@@ -98,7 +99,7 @@ async def test_the_tool_loop_uses_keels_call_ids_and_pairs_every_result(
     h = await make_harness(Agent(instructions="t", tools=[add], model=claude(server)))
     sid, result = await turn(h)
     assert result["status"] == "completed" and result["reply"] == "5 and 2."
-    history = await h.history(sid, "o")
+    history = await h.sessions.history(sid, "o")
     calls = history[1].tool_calls
     assert [c.name for c in calls] == ["add", "add"] and all(c.id and c.id.startswith("call_") for c in calls)
     second = server.requests[1]["messages"]
@@ -128,7 +129,7 @@ async def test_thinking_blocks_go_back_unchanged_and_are_never_shown(
     sent = server.requests[1]["messages"][1]["content"]
     assert sent[0] == {"type": "thinking", "thinking": "I should add them.", "signature": "sig-123=="}
     assert sent[1]["type"] == "tool_use"
-    shown = json.dumps(result["events"]) + json.dumps([i.text for i in await h.history(sid, "o")])
+    shown = json.dumps(result["events"]) + json.dumps([i.text for i in await h.sessions.history(sid, "o")])
     assert "I should add them." not in shown
 
 
@@ -142,7 +143,7 @@ async def test_cache_usage_is_recorded_and_the_next_turn_marks_the_durable_prefi
     (recorded,) = [e["data"] for e in first["events"] if e["type"] == "usage.recorded"]
     assert (recorded["input_tokens"], recorded["cached_tokens"], recorded["cache_write_tokens"]) == (160, 100, 50)
     await turn(h, "second", sid)
-    info = await h.session(sid, "o")
+    info = await h.sessions.info(sid, "o")
     assert info.usage["cached_tokens"] == 200 and info.usage["cache_write_tokens"] == 100
     messages = server.requests[1]["messages"]
     assert [m["content"][-1].get("cache_control") for m in messages] == [None, None, {"type": "ephemeral"}]
@@ -157,7 +158,7 @@ async def test_a_rate_limit_is_retried_after_retry_after_and_both_attempts_count
     h = await make_harness(Agent(instructions="t", model=claude(server)))
     sid, result = await turn(h)
     assert result["status"] == "completed" and result["reply"] == "ok"
-    assert (await h.session(sid, "o")).usage["model_calls"] == 2
+    assert (await h.sessions.info(sid, "o")).usage["model_calls"] == 2
     recorded = [e["data"] for e in result["events"] if e["type"] == "usage.recorded"]
     assert [r.get("failed", False) for r in recorded] == [True, False]
 
@@ -179,8 +180,8 @@ async def test_failures_that_may_pass_are_retried_and_nothing_partial_is_stored(
     h = await make_harness(Agent(instructions="t", model=claude(server)))
     sid, result = await turn(h)
     assert result["status"] == "completed" and result["reply"] == "whole reply"
-    assert [i.text for i in await h.history(sid, "o")] == ["hi", "whole reply"]
-    assert (await h.session(sid, "o")).usage["model_calls"] == 2
+    assert [i.text for i in await h.sessions.history(sid, "o")] == ["hi", "whole reply"]
+    assert (await h.sessions.info(sid, "o")).usage["model_calls"] == 2
 
 
 async def test_an_idle_stream_times_out_and_is_retried(make_harness: Any, server: AnthropicServer) -> None:
@@ -188,7 +189,7 @@ async def test_an_idle_stream_times_out_and_is_retried(make_harness: Any, server
     h = await make_harness(Agent(instructions="t", model=claude(server, idle_timeout=0.3)))
     sid, result = await turn(h)
     assert result["status"] == "completed" and result["reply"] == "fine"
-    assert (await h.session(sid, "o")).usage["model_calls"] == 2
+    assert (await h.sessions.info(sid, "o")).usage["model_calls"] == 2
 
 
 @pytest.mark.parametrize(
@@ -212,7 +213,7 @@ async def test_failures_that_will_not_pass_fail_the_turn_at_once(
     sid, result = await turn(h)
     assert result["status"] == "failed"
     assert result["events"][-1]["data"]["error"]["code"] == code
-    assert len(server.requests) == 1 and (await h.session(sid, "o")).usage["model_calls"] == 1
+    assert len(server.requests) == 1 and (await h.sessions.info(sid, "o")).usage["model_calls"] == 1
 
 
 @pytest.mark.parametrize("where", ["this process", "another process"])
@@ -223,17 +224,17 @@ async def test_cancel_mid_stream_closes_the_provider_stream_and_stores_nothing_o
     h = await make_harness(Agent(instructions="t", model=claude(server)))
     other = await make_harness(Agent(instructions="t", model=claude(server)), run_turns=False)
     canceller = h if where == "this process" else other
-    sid = await h.create_session("o")
-    submitted = await h.submit(sid, "o", "hi")
+    sid = await h.sessions.create("o")
+    submitted = await h.sessions.submit(sid, "o", "hi")
     await asyncio.wait_for(server.streaming.wait(), 5)
     asked = time.monotonic()
-    await canceller.cancel(sid, "o")
+    await canceller.sessions.cancel(sid, "o")
     await asyncio.wait_for(server.dropped.wait(), 5)
     assert server.dropped_at - asked < 0.2  # the provider's connection closed within 200 ms
-    result = await h.wait_turn(submitted, 5)
+    result = await h.sessions.wait_turn(submitted, 5)
     assert result.status == "cancelled"
-    assert [(i.role, i.text) for i in await h.history(sid, "o")] == [("user", "hi")]  # nothing partial
-    assert (await h.session(sid, "o")).usage["model_calls"] == 1
+    assert [(i.role, i.text) for i in await h.sessions.history(sid, "o")] == [("user", "hi")]  # nothing partial
+    assert (await h.sessions.info(sid, "o")).usage["model_calls"] == 1
 
 
 async def test_a_prompt_too_long_compacts_and_tries_the_step_once_more(
@@ -258,7 +259,7 @@ async def test_a_prompt_too_long_compacts_and_tries_the_step_once_more(
     reasons = [e["data"]["reason"] for e in result["events"] if e["type"].startswith("compaction.")]
     assert set(reasons) == {"context_length"}
     assert "first answer" not in json.dumps(server.requests[-1]["messages"])  # older turns summarized
-    assert (await h.session(sid, "o")).usage["model_calls"] == 5  # 1 + 1 + (refused, summary, retry)
+    assert (await h.sessions.info(sid, "o")).usage["model_calls"] == 5  # 1 + 1 + (refused, summary, retry)
 
 
 async def test_a_prompt_too_long_with_nothing_to_compact_fails_the_turn(
@@ -278,13 +279,13 @@ async def test_cancel_during_a_retry_backoff_ends_the_turn_without_another_attem
     limited = {"type": "rate_limit_error", "message": "slow down"}
     server.replies = [Reply(status=429, error=limited, headers={"retry-after": "30"}), Reply([text("too late")])]
     h = await make_harness(Agent(instructions="t", model=claude(server)))
-    sid = await h.create_session("o")
-    submitted = await h.submit(sid, "o", "hi")
+    sid = await h.sessions.create("o")
+    submitted = await h.sessions.submit(sid, "o", "hi")
     await asyncio.wait_for(server.requested.wait(), 5)  # refused: the turn now waits 30 s to retry
-    await h.cancel(sid, "o")  # the turn is in its 30 s backoff
-    result = await h.wait_turn(submitted, 5)
+    await h.sessions.cancel(sid, "o")  # the turn is in its 30 s backoff
+    result = await h.sessions.wait_turn(submitted, 5)
     assert result.status == "cancelled"
-    assert len(server.requests) == 1 and (await h.session(sid, "o")).usage["model_calls"] == 1
+    assert len(server.requests) == 1 and (await h.sessions.info(sid, "o")).usage["model_calls"] == 1
 
 
 def test_a_cache_breakpoint_never_lands_on_a_thinking_block_and_history_is_not_touched() -> None:

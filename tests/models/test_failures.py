@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from harness.models.failures import from_status, retry_after
+from harness.models.failures import from_status
+from harness.retry import retry_after
 
 TOO_LONG, INVALID = "model_context_length", "model_invalid_request"
 
@@ -59,7 +60,11 @@ def test_statuses_and_kinds_map_to_codes(status: int, message: str, kind: str, c
     assert (error.code, error.retryable) == (code, retryable)
 
 
-def test_retry_after_in_milliseconds_wins_and_a_date_is_ignored() -> None:
+def test_retry_after_in_milliseconds_wins_and_a_date_is_read() -> None:
     assert retry_after({"retry-after-ms": "250", "retry-after": "9"}) == 0.25
-    assert retry_after({"retry-after": "3"}) == 3.0
-    assert retry_after({"retry-after": "Wed, 21 Oct 2026 07:28:00 GMT"}) is None
+    assert retry_after({"Retry-After": "3"}) == 3.0  # (a header's name in any case)
+    now = 1_790_000_000.0  # 2026-09-21 14:13:20 UTC
+    assert retry_after({"retry-after": "Mon, 21 Sep 2026 14:13:50 GMT"}, now=now) == 30.0
+    assert retry_after({"retry-after": "Wed, 21 Jan 2026 07:28:00 GMT"}, now=now) == 0.0  # (past: now)
+    assert retry_after({"retry-after": "soon"}) is None and retry_after({"retry-after": "-5"}) == 0.0
+    assert retry_after({"retry-after": "inf"}) is None and retry_after({}) is None

@@ -12,6 +12,7 @@ import pytest
 
 from harness import Agent, Harness, tool
 from harness.models.openai import OpenAIModel
+from tests.events import env
 from tests.models.openai_server import OpenAIServer, Turn
 
 
@@ -34,8 +35,8 @@ def gpt(server: OpenAIServer, api: str = "responses", **kw: Any) -> OpenAIModel:
 
 
 async def turn(h: Harness, text: str = "hi") -> tuple[str, Any]:
-    sid = await h.create_session("o")
-    return sid, await h.wait_turn(await h.submit(sid, "o", text), 15)
+    sid = await h.sessions.create("o")
+    return sid, await h.sessions.wait_turn(await h.sessions.submit(sid, "o", text), 15)
 
 
 async def test_responses_text_cache_key_and_usage(make_harness: Any, server: OpenAIServer) -> None:
@@ -48,7 +49,7 @@ async def test_responses_text_cache_key_and_usage(make_harness: Any, server: Ope
     assert body["instructions"] == "Be brief." and "include" not in body  # (a model without reasoning refuses it)
     assert body["tools"][0]["type"] == "function" and body["tools"][0]["name"] == "add"
     assert body["input"] == [{"role": "user", "content": "hi"}]
-    (usage,) = [e["data"] for e in result.events if e["type"] == "usage.recorded"]
+    (usage,) = [env(e)["data"] for e in result.events if e.type == "usage.recorded"]
     assert (usage["input_tokens"], usage["cached_tokens"], usage["cache_write_tokens"]) == (1200, 1024, 100)
 
 
@@ -65,7 +66,7 @@ async def test_responses_tool_loop_sends_reasoning_back_with_keels_call_ids(
     assert result.status == "completed" and result.reply == "5 and 8."
     first = server.requests[0]
     assert first["reasoning"] == {"effort": "low"} and first["include"] == ["reasoning.encrypted_content"]
-    calls = (await h.history(sid, "o"))[1].tool_calls
+    calls = (await h.sessions.history(sid, "o"))[1].tool_calls
     sent = server.requests[1]["input"]
     assert sent[0] == {"role": "user", "content": "hi"}
     assert sent[1] == reasoning  # unchanged, before the calls it came with
@@ -83,7 +84,7 @@ async def test_chat_completions_text_and_tool_loop(make_harness: Any, server: Op
     h = await make_harness(Agent(instructions="sys", tools=[add], model=gpt(server, "chat")))
     sid, result = await turn(h)
     assert result.status == "completed" and result.reply == "It is 42."
-    call = (await h.history(sid, "o"))[1].tool_calls[0]
+    call = (await h.sessions.history(sid, "o"))[1].tool_calls[0]
     messages = server.requests[1]["messages"]
     assert messages[0] == {"role": "system", "content": "sys"} and messages[1] == {"role": "user", "content": "hi"}
     assert messages[2]["role"] == "assistant" and messages[2]["tool_calls"][0]["id"] == call.id
@@ -96,14 +97,14 @@ async def test_a_rate_limit_then_success_counts_two_calls(make_harness: Any, ser
     server.turns = [Turn(status=429, error=limited, headers={"retry-after-ms": "10"}), Turn("ok")]
     h = await make_harness(Agent(instructions="t", model=gpt(server)))
     sid, result = await turn(h)
-    assert result.status == "completed" and (await h.session(sid, "o")).usage["model_calls"] == 2
+    assert result.status == "completed" and (await h.sessions.info(sid, "o")).usage["model_calls"] == 2
 
 
 async def test_a_bad_key_fails_the_turn_without_retrying(make_harness: Any, server: OpenAIServer) -> None:
     server.turns = [Turn(status=401, error={"message": "Incorrect API key provided", "code": "invalid_api_key"})]
     h = await make_harness(Agent(instructions="t", model=gpt(server, "chat")))
     _, result = await turn(h)
-    assert result.status == "failed" and result.events[-1]["data"]["error"]["code"] == "model_auth"
+    assert result.status == "failed" and env(result.events[-1])["data"]["error"]["code"] == "model_auth"
     assert len(server.requests) == 1
 
 
@@ -127,8 +128,8 @@ async def test_failures_that_may_pass_are_retried(
     h = await make_harness(Agent(instructions="t", model=model))
     sid, result = await turn(h)
     assert result.status == "completed" and result.reply == "whole reply"
-    assert [i.text for i in await h.history(sid, "o")] == ["hi", "whole reply"]
-    assert (await h.session(sid, "o")).usage["model_calls"] == 2
+    assert [i.text for i in await h.sessions.history(sid, "o")] == ["hi", "whole reply"]
+    assert (await h.sessions.info(sid, "o")).usage["model_calls"] == 2
 
 
 async def test_a_context_length_error_with_nothing_to_compact_fails_the_turn(
@@ -139,7 +140,7 @@ async def test_a_context_length_error_with_nothing_to_compact_fails_the_turn(
     h = await make_harness(Agent(instructions="t", model=gpt(server)))
     _, result = await turn(h)
     assert result.status == "failed"
-    assert result.events[-1]["data"]["error"]["code"] == "model_context_length"
+    assert env(result.events[-1])["data"]["error"]["code"] == "model_context_length"
 
 
 async def test_reasoning_with_nothing_after_it_is_not_sent_back(make_harness: Any, server: OpenAIServer) -> None:
@@ -148,7 +149,7 @@ async def test_reasoning_with_nothing_after_it_is_not_sent_back(make_harness: An
     h = await make_harness(Agent(instructions="t", model=gpt(server, reasoning={"effort": "low"})))
     sid, first = await turn(h, "one")
     assert first.status == "completed"
-    await h.wait_turn(await h.submit(sid, "o", "two"), 15)
+    await h.sessions.wait_turn(await h.sessions.submit(sid, "o", "two"), 15)
     # (OpenAI refuses a reasoning item without the item that followed it)
     assert "gAAAA-alone" not in str(server.requests[1]["input"])
 
@@ -157,4 +158,4 @@ async def test_a_chat_stream_without_a_finish_reason_is_retried(make_harness: An
     server.turns = [Turn("half a sent", finish=False), Turn("whole")]
     h = await make_harness(Agent(instructions="t", model=gpt(server, "chat")))
     sid, result = await turn(h)
-    assert result.reply == "whole" and (await h.session(sid, "o")).usage["model_calls"] == 2
+    assert result.reply == "whole" and (await h.sessions.info(sid, "o")).usage["model_calls"] == 2
