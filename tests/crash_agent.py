@@ -8,8 +8,7 @@ import asyncio
 import json
 import os
 
-from harness import Agent, ToolContext, tool
-from harness.loop.compaction import Compaction
+from harness import Agent, Compaction, ToolContext, tool
 from harness.models import ModelReply, ModelRequest, ScriptedModel, ToolCall, Usage
 
 

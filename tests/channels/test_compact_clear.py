@@ -6,8 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from harness import Agent
-from harness.loop.compaction import Compaction
+from harness import Agent, Compaction
 from harness.models import ModelReply, ModelRequest, ScriptedModel
 
 

@@ -19,9 +19,8 @@ from typing import Any
 
 import httpx
 
-from harness import Agent, tool
+from harness import Agent, Compaction, tool
 from harness.errors import ModelError
-from harness.loop.compaction import Compaction
 from harness.models import ModelReply, ModelRequest, ScriptedModel, ToolCall, Usage
 from tests.channels.linear_server import API_KEY, created, prompted
 from tests.channels.linear_server import SECRET as LINEAR_SECRET

@@ -14,8 +14,7 @@ import msgspec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from harness import Agent, tool
-from harness.loop.compaction import Compaction
+from harness import Agent, Compaction, tool
 from harness.models import Item, ModelReply, ModelRequest, ScriptedModel, ToolCall
 
 OPS = ("repeat", "pop", "reorder", "filter", "deepcopy", "reconstruct", "drop_new", "invent", "none")

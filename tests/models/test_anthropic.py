@@ -13,9 +13,8 @@ from typing import Any
 import anthropic
 import pytest
 
-from harness import Agent, Harness, tool
+from harness import Agent, Compaction, Harness, tool
 from harness.events import LiveEvent, StoredEvent
-from harness.loop.compaction import Compaction
 from harness.models.anthropic import AnthropicModel
 from harness.models.base import ModelRequest
 from harness.types import Item
