@@ -19,7 +19,8 @@ BACKOFF_MAX_S = 30.0
 def retry_after(headers: Mapping[str, str], *, now: float | None = None) -> float | None:
     """Seconds to wait, from a response's `retry-after-ms` (milliseconds, as OpenAI and
     Anthropic send it) or `Retry-After` (seconds, or an HTTP date: RFC 9110); None when there is
-    neither or it cannot be read. Header names in any case. Never negative."""
+    neither or it cannot be read (a negative number, a date already past: the caller backs off
+    as it would without one). Header names in any case."""
     lowered = {k.lower(): v for k, v in headers.items() if k.lower() in ("retry-after-ms", "retry-after")}
     ms = _number(lowered.get("retry-after-ms"))
     if ms is not None:
@@ -34,7 +35,8 @@ def retry_after(headers: Mapping[str, str], *, now: float | None = None) -> floa
         when = email.utils.parsedate_to_datetime(raw.strip())
     except (TypeError, ValueError, IndexError):
         return None
-    return max(when.timestamp() - (time.time() if now is None else now), 0.0)
+    left = when.timestamp() - (time.time() if now is None else now)
+    return left if left > 0 else None
 
 
 def _number(raw: str | None) -> float | None:
@@ -44,7 +46,7 @@ def _number(raw: str | None) -> float | None:
         value = float(raw.strip())
     except ValueError:
         return None
-    return max(value, 0.0) if math.isfinite(value) else None
+    return value if math.isfinite(value) and value >= 0 else None
 
 
 def backoff(retry: int, after: float | None = None) -> float:

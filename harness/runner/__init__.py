@@ -142,8 +142,9 @@ class Runner:
             del self._hand[sid]
             for read in held.jobs:
                 self._run(sid, read)
-            if job is not None:
-                self.kick(sid, job)
+            for kicked in (held.kicked, job):  # (a message accepted meanwhile, and this one)
+                if kicked is not None:
+                    self.kick(sid, kicked)
             return
         if job is not None:
             held.kick(job)

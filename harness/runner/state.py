@@ -34,13 +34,15 @@ class Phase(enum.Enum):
     RUNNING = "running"
 
 
-_NEXT = {
-    Phase.RESERVED: {Phase.RUNNING},
-    Phase.QUEUED: {Phase.DRAINING},
-    Phase.DRAINING: {Phase.RUNNING, Phase.WAITING},
-    Phase.WAITING: {Phase.DRAINING},
-    Phase.RUNNING: {Phase.DRAINING},
-}
+# the moves the machine has, (from, to) (a tuple, not a dict: an Enum member hashes in Python)
+_MOVES = (
+    (Phase.RESERVED, Phase.RUNNING),
+    (Phase.QUEUED, Phase.DRAINING),
+    (Phase.DRAINING, Phase.RUNNING),
+    (Phase.DRAINING, Phase.WAITING),
+    (Phase.WAITING, Phase.DRAINING),
+    (Phase.RUNNING, Phase.DRAINING),
+)
 
 
 @dataclass
@@ -57,7 +59,7 @@ class InHand:
 
     def to(self, phase: Phase) -> None:
         """Move to `phase`; a move the machine does not have is a bug."""
-        if phase not in _NEXT[self.phase]:
+        if (self.phase, phase) not in _MOVES:
             raise AssertionError(f"a session in hand cannot go from {self.phase.value} to {phase.value}")
         self.phase = phase
         if phase is not Phase.RUNNING:

@@ -138,6 +138,34 @@ async def test_a_reader_in_another_process_gets_the_deltas(make_harness: Any, re
     assert [i.text for i in await runner.sessions.history(sid, "o")] == ["hi", REPLY]
 
 
+async def test_a_live_event_another_version_sends_is_skipped_not_fatal(make_harness: Any, redis: Redis) -> None:
+    """During a rolling deploy a newer process may send a live event type this one does not know:
+    it is skipped, and the live events after it, on the same message, still reach the readers."""
+    h = await make_harness(streaming_agent(), run_turns=False)
+    sid = await h.sessions.create("o")
+    got: list[LiveEvent] = []
+    tail = h.sessions.tail(sid, "0-0", heartbeat=0.2)
+    try:
+        channel = f"keel:{{{sid}}}:live"
+        async with asyncio.timeout(5):  # this process is subscribed to the session's live events
+            while not (await redis.pubsub_shardnumsub(channel))[0][1]:
+                await anext(tail)
+        unknown = b'{"type":"message.thought","session_id":"%s","turn_id":"t","at":1.0,"data":{}}' % sid.encode()
+        known = (
+            b'{"type":"message.delta","session_id":"%s","turn_id":"t","at":1.0,'
+            b'"data":{"item_id":"it_1","delta":"hi","offset":0}}' % sid.encode()
+        )
+        await redis.execute_command("SPUBLISH", channel, b"elsewhere " + unknown + b"\n" + known)
+        async with asyncio.timeout(5):
+            while not got:
+                event = await anext(tail)
+                if isinstance(event, LiveEvent):
+                    got.append(event)
+    finally:
+        await tail.aclose()  # type: ignore[attr-defined]
+    assert [e.raw for e in got] == [known]
+
+
 async def test_a_reader_cancelled_while_it_subscribes_ends(make_harness: Any) -> None:
     """redis-py sends SUBSCRIBE inside wait_for, which on Python 3.11 can swallow a cancellation:
     a reader cancelled at any moment of its opening must still end."""

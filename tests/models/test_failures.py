@@ -65,6 +65,9 @@ def test_retry_after_in_milliseconds_wins_and_a_date_is_read() -> None:
     assert retry_after({"Retry-After": "3"}) == 3.0  # (a header's name in any case)
     now = 1_790_000_000.0  # 2026-09-21 14:13:20 UTC
     assert retry_after({"retry-after": "Mon, 21 Sep 2026 14:13:50 GMT"}, now=now) == 30.0
-    assert retry_after({"retry-after": "Wed, 21 Jan 2026 07:28:00 GMT"}, now=now) == 0.0  # (past: now)
-    assert retry_after({"retry-after": "soon"}) is None and retry_after({"retry-after": "-5"}) == 0.0
+    # what cannot say how long to wait says nothing (the caller backs off): a date already past
+    # (a clock behind keel's), a negative number, no number at all
+    assert retry_after({"retry-after": "Wed, 21 Jan 2026 07:28:00 GMT"}, now=now) is None
+    assert retry_after({"retry-after": "soon"}) is None and retry_after({"retry-after": "-5"}) is None
     assert retry_after({"retry-after": "inf"}) is None and retry_after({}) is None
+    assert retry_after({"retry-after": "0"}) == 0.0  # (at once, as asked)
