@@ -24,31 +24,15 @@ from typing import Any
 from redis.asyncio import Redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # keel's packages, when run from anywhere
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # (the benchmarks' agents beside it)
 
 import common  # type: ignore[import-not-found]  # the peers' harness (run.py puts its folder on PYTHONPATH)
+from agents import add, plain, with_tool  # the sibling module
 
 from app import build_harness
 from app.settings import Settings
-from harness import Agent, tool
-from harness.models import ModelReply, ModelRequest, ScriptedModel, ToolCall, Usage
-
-USAGE = Usage(input_tokens=100, output_tokens=1)
-
-
-@tool
-def add(a: int, b: int) -> int:
-    """Add two integers."""
-    return a + b
-
-
-def plain(request: ModelRequest) -> ModelReply:
-    return ModelReply(text="hi there", usage=USAGE)
-
-
-def with_tool(request: ModelRequest) -> ModelReply:
-    if request.messages[-1].role == "tool":
-        return ModelReply(text="hi there", usage=USAGE)
-    return ModelReply(tool_calls=[ToolCall("add", {"a": 1, "b": 2})], usage=USAGE)
+from harness import Agent
+from harness.models import ScriptedModel
 
 
 async def setup(args: Any) -> Any:

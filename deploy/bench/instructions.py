@@ -36,36 +36,20 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from agents import add, plain, with_tool  # the sibling module  # noqa: E402
 from support import Deadline, free_port, start_valkey, stop_process  # the sibling module  # noqa: E402
 
 from app import build_harness  # noqa: E402
 from app.settings import Settings  # noqa: E402
-from harness import Agent, tool  # noqa: E402
-from harness.models import ModelReply, ModelRequest, ScriptedModel, ToolCall, Usage  # noqa: E402
+from harness import Agent  # noqa: E402
+from harness.models import ScriptedModel  # noqa: E402
 
-USAGE = Usage(input_tokens=100, output_tokens=1)
 COLLECTED = re.compile(r"Collected : (\d+)")
-
-
-@tool
-def add(a: int, b: int) -> int:
-    """Add two integers."""
-    return a + b
-
-
-def reply(request: ModelRequest) -> ModelReply:
-    return ModelReply(text="hi there", usage=USAGE)
-
-
-def with_tool(request: ModelRequest) -> ModelReply:
-    if request.messages[-1].role == "tool":
-        return ModelReply(text="hi there", usage=USAGE)
-    return ModelReply(tool_calls=[ToolCall("add", {"a": 1, "b": 2})], usage=USAGE)
 
 
 async def drive(mode: str, turns: int, port: int) -> None:
     """The counted process: `turns` sequential turns in-process."""
-    agent = Agent(instructions="t", tools=[add], model=ScriptedModel(with_tool if mode == "tool" else reply, keep=0))
+    agent = Agent(instructions="t", tools=[add], model=ScriptedModel(with_tool if mode == "tool" else plain, keep=0))
     harness = build_harness(Settings(), f"redis://127.0.0.1:{port}", agent)
     await harness.redis.flushall()
     await harness.start()
