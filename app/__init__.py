@@ -20,6 +20,8 @@ from channels.auth import ApiKeyAuth
 from channels.drain import Drain, DrainGate
 from channels.errors import http_error_handler, keel_error_handler
 from channels.limits import Occupancy
+from channels.mcp import PATH as MCP_PATH
+from channels.mcp import McpChannel
 from channels.requestid import RequestIds
 from channels.routes import routes
 from channels.sse import SseStats
@@ -56,6 +58,8 @@ def build_harness(
     the_agent = agent or load_agent(settings.agent)
     if settings.model is not None:
         the_agent = the_agent.with_model(settings.model)
+    if settings.mcp_servers:
+        the_agent = the_agent.with_mcp(settings.mcp_servers)
     return Harness.connect(
         url,
         the_agent,
@@ -120,17 +124,23 @@ def create_app(
         try:
             yield
         finally:
+            await mcp.stop()
             await harness.stop()
             for channel in hooks:
                 await channel.stop()
             await outbound.stop()
 
     ws_stats, sse_stats, drain = WsStats(), SseStats(), Drain()
+    mcp = McpChannel(
+        open_to_all_hosts=bool(settings.api_keys), max_body=settings.max_body, wait_timeout=settings.wait_timeout
+    )
     metrics = Metrics(Sources(lambda: getattr(app.state, "harness", None), ws=ws_stats, sse=sse_stats))
     app = Starlette(
         routes=[
             metrics.route(),
-            *routes(demo_folder=Path(__file__).parent / "static" if settings.demo_page else None, webhooks=hooks),
+            *routes(
+                demo_folder=Path(__file__).parent / "static" if settings.demo_page else None, webhooks=hooks, mcp=mcp
+            ),
         ],
         middleware=[
             Middleware(RequestIds),
@@ -139,7 +149,7 @@ def create_app(
                 ApiKeyAuth,
                 keys=settings.api_keys,
                 open_paths=[p for c in hooks for p, _ in c.routes()],
-                guarded=[METRICS_PATH],
+                guarded=[METRICS_PATH, MCP_PATH],
             ),
         ],
         exception_handlers={

@@ -17,13 +17,20 @@ from app.logs import configure as configure_logs
 from app.settings import Settings, SettingsError
 from app.wsproto import KeelWebSocketProtocol
 from harness import Harness
-from harness.errors import Unavailable
+from harness.errors import KeelError, Unavailable
 
 log = logging.getLogger("keel")
 
 
-def prepare(settings: Settings) -> tuple[str, EmbeddedValkey | None]:
-    """The Redis URL to use, starting the embedded server when REDIS_URL is unset."""
+def prepare(settings: Settings, *, runs_turns: bool | None = None) -> tuple[str, EmbeddedValkey | None]:
+    """The Redis URL to use, starting the embedded server when REDIS_URL is unset; and, where
+    this process runs turns, a look at each MCP server (SettingsError, naming one that cannot
+    be started or reached)."""
+    if settings.mcp_servers and (settings.run_turns if runs_turns is None else runs_turns):
+        try:
+            asyncio.run(Harness.check_mcp(settings.mcp_servers))
+        except KeelError as exc:
+            raise SettingsError(exc.message) from None
     if settings.redis_url is None:
         embedded = EmbeddedValkey(settings.data_dir)
         url = embedded.start()

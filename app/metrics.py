@@ -103,6 +103,8 @@ class KeelCollector(Collector):
             "keel_sessions_handed_over", "sessions given to other runners when this process drained", stats.handed_over
         )
         yield _counter("keel_events_committed", "events this process committed", stats.events, "type")
+        yield _counter("keel_mcp_catalogue_changes", "MCP tool lists that changed (each costs the prompt cache)",
+                       stats.mcp_catalogue_changes, "server")  # fmt: skip
         relay = harness.relay
         if relay is not None:
             r = relay.stats

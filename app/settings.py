@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness import RateLimit
+from harness import McpConfigError, McpServer, RateLimit, load_mcp_config
 from harness.models.spec import check as check_model
 
 DEMO_AGENT = "app.demo:agent"
@@ -50,6 +50,16 @@ def _flag(env: dict[str, str], name: str, *, default: bool) -> bool:
     if raw not in ("1", "0", "true", "false"):
         raise SettingsError(f"{name} must be 1 or 0")
     return raw in ("1", "true")
+
+
+def _mcp(env: dict[str, str]) -> tuple[McpServer, ...]:
+    path = env.get("KEEL_MCP_CONFIG")
+    if not path:
+        return ()
+    try:
+        return tuple(load_mcp_config(path, env))
+    except McpConfigError as exc:
+        raise SettingsError(str(exc)) from None
 
 
 def _url(env: dict[str, str], name: str, default: str, *, slash: bool = True) -> str:
@@ -132,6 +142,7 @@ class Settings:
     # a session left alone this long expires, all of it (0: never); days in the environment,
     # ms here (tests use a few)
     session_ttl_ms: int = SESSION_TTL_DAYS * DAY_MS
+    mcp_servers: tuple[McpServer, ...] = ()  # KEEL_MCP_CONFIG's, added to the agent's tools
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> Settings:
@@ -183,6 +194,7 @@ class Settings:
             drain_s=_float(env, "KEEL_DRAIN_S", 10.0),
             durability=(env.get("KEEL_DURABILITY") or "primary").lower(),
             session_ttl_ms=_int(env, "KEEL_SESSION_TTL_DAYS", SESSION_TTL_DAYS, low=0) * DAY_MS,
+            mcp_servers=_mcp(env),
         )
         if settings.durability not in ("primary", "replica"):
             raise SettingsError(f"KEEL_DURABILITY must be primary or replica, not {settings.durability!r}")

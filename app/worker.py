@@ -45,7 +45,7 @@ def main() -> int:
         if settings.redis_url is None:
             raise SettingsError("the worker needs REDIS_URL: the embedded Valkey belongs to one web process")
         configure_logs(settings, dict(os.environ))
-        url, _ = prepare(settings)
+        url, _ = prepare(settings, runs_turns=True)
     except SettingsError as exc:
         print(f"keel worker: {exc}", file=sys.stderr)
         return 1

@@ -4,8 +4,9 @@ Paths and methods come from the route table (every route whose handler carries a
 `@operation`, `channels.spec`); bodies, answers and websocket frames are the msgspec types the
 handlers decode and encode (`msgspec.json.schema_components`). Routes without an operation
 are left out: the webhook channels' (Slack, Linear: the provider's signed payloads, mounted only
-when configured) and the keyless demo page. HEAD, which Starlette answers on every GET route,
-is not listed. The document is public (no API key): it describes the API, not its data."""
+when configured), `/mcp` (MCP's own JSON-RPC, `channels.mcp`) and the keyless demo page. HEAD,
+which Starlette answers on every GET route, is not listed. The document is public (no API key):
+it describes the API, not its data."""
 
 from __future__ import annotations
 

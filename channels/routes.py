@@ -7,8 +7,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from starlette.routing import BaseRoute, Route, WebSocketRoute
+from starlette.types import ASGIApp
 
 from channels import http
+from channels.mcp import PATH as MCP_PATH
 from channels.openapi import serve_openapi
 from channels.sse import stream_events
 from channels.static import demo_routes, widget_routes
@@ -17,8 +19,11 @@ from channels.webhooks.base import WebhookChannel, endpoint
 from channels.websocket import session_socket
 
 
-def routes(*, demo_folder: Path | None = None, webhooks: Sequence[WebhookChannel] = ()) -> list[BaseRoute]:
-    """The API, the webhook channels' routes, the widget script, and the demo page from
+def routes(
+    *, demo_folder: Path | None = None, webhooks: Sequence[WebhookChannel] = (), mcp: ASGIApp | None = None
+) -> list[BaseRoute]:
+    """The API, the webhook channels' routes, `/mcp` when given its app (`channels.mcp`, which
+    answers MCP's JSON-RPC itself, every method), the widget script, and the demo page from
     `demo_folder` when given."""
     hooks: list[BaseRoute] = [
         Route(path, endpoint(channel, name), methods=["POST"])
@@ -48,6 +53,7 @@ def routes(*, demo_folder: Path | None = None, webhooks: Sequence[WebhookChannel
         Route("/v1/webhooks/{wid}/failures", subscriptions.failures, methods=["GET"]),
         Route("/v1/webhooks/{wid}/failures/retry", subscriptions.retry, methods=["POST"]),
         WebSocketRoute("/v1/sessions/{sid}/ws", session_socket),
+        *([Route(MCP_PATH, mcp)] if mcp is not None else []),
         *widget_routes(),
         *(demo_routes(demo_folder) if demo_folder is not None else []),
     ]

@@ -100,6 +100,15 @@ class SubmitResult(msgspec.Struct, frozen=True):
     received_seq: int = 0  # the seq of its message.received (0 for a duplicate)
 
 
+class TurnOutcome(msgspec.Struct, frozen=True):
+    """How a turn came out (`pending`: not yet, when the wait ended), with the events of it that
+    were waited for."""
+
+    status: TurnStatus | Literal["pending"]
+    reply: str | None
+    events: list[StoredEvent]
+
+
 class TurnResult(msgspec.Struct, frozen=True):
     """How a message's turn came out (`pending`: not yet, when the wait ended), with its events
     from its message.received on."""

@@ -35,6 +35,8 @@ def script(request: ModelRequest) -> ModelReply:
     if last.role == "user" and last.text.startswith("long "):  # a reply Slack gets in several posts
         n = int(last.text[5:])
         return ModelReply(text="".join(chr(97 + i // 3900 % 26) for i in range(n)), usage=usage)
+    if last.role == "user" and last.text.startswith("mcp "):  # a tool of the MCP server KEEL_MCP_CONFIG names
+        return ModelReply(tool_calls=[ToolCall(last.text[4:], {})], usage=usage)
     if last.role == "tool":
         return ModelReply(text=f"done: {last.text}", usage=usage)
     return ModelReply(text=f"re: {last.text}", usage=usage)

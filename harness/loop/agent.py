@@ -12,7 +12,9 @@ from harness.loop.runtime import RuntimeContext, RuntimeFn
 from harness.models.base import Model, ToolSpec
 from harness.models.spec import resolve
 from harness.tools import Tool
+from harness.tools.mcpconfig import McpServer
 from harness.tools.todo import todo_tool
+from harness.tools.toolbox import Toolbox
 
 
 class Agent:
@@ -32,6 +34,8 @@ class Agent:
     - `model_retries`: how many more attempts a model call gets after one that may succeed
       next time (rate limited, overloaded, unreachable, a cut or idle stream); see
       `harness.loop.modelcall`.
+    - `mcp_servers=[McpServer.stdio(...), McpServer.http(...)]`: MCP servers whose tools the
+      agent has too, as `<server>__<tool>` (see `harness.tools.mcp`).
     """
 
     def __init__(
@@ -48,6 +52,7 @@ class Agent:
         compaction: Compaction | None = None,
         todo: bool = False,
         model_retries: int = 3,
+        mcp_servers: Sequence[McpServer] = (),
     ) -> None:
         if max_steps < 1:
             raise ValueError("max_steps must be at least 1")
@@ -73,7 +78,24 @@ class Agent:
                 raise ValueError(f"two tools are named {t.name!r}")
             self.tools[t.name] = t
         # Built once: the same objects (and so the same bytes) in every request of every turn (I6).
-        self.tool_specs: tuple[ToolSpec, ...] = tuple(t.spec for t in built)
+        self.toolbox = Toolbox.of(built)
+        self.tool_specs: tuple[ToolSpec, ...] = self.toolbox.specs
+        self.mcp_servers: tuple[McpServer, ...] = ()
+        self._add_mcp(mcp_servers)
+
+    def _add_mcp(self, servers: Sequence[McpServer]) -> None:
+        names = [s.name for s in (*self.mcp_servers, *servers)]
+        for name in names:
+            if names.count(name) > 1:
+                raise ValueError(f"two MCP servers are named {name!r}")
+        self.mcp_servers = (*self.mcp_servers, *servers)
+
+    def with_mcp(self, servers: Sequence[McpServer]) -> Agent:
+        """The same agent with these MCP servers' tools too (`KEEL_MCP_CONFIG` adds its servers
+        to the configured agent)."""
+        other = copy.copy(self)
+        other._add_mcp(servers)
+        return other
 
     def with_model(self, model: Model | str) -> Agent:
         """The same agent on another model (`KEEL_MODEL` puts the configured agent on it)."""

@@ -8,6 +8,7 @@ resumes when every request is answered, and runs exactly the stored calls.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -51,6 +52,7 @@ from harness.store import (
 from harness.telemetry.metrics import HarnessStats
 from harness.tools import ToolContext
 from harness.tools.calls import denial, needs_approval, request_id, result_item, run_call
+from harness.tools.toolbox import Toolbox
 from harness.types import Answer, ApprovalRequest, Item, ToolCall, Usage
 
 log = logging.getLogger("keel.turn")
@@ -68,8 +70,12 @@ class Turn:
         *,
         calls: Calls | None = None,
         stats: HarnessStats | None = None,
+        tools: Toolbox | None = None,
     ) -> None:
         self.store = store
+        # the tools this run of the turn has (the agent's, and its MCP servers' as they are now)
+        self.toolbox = tools or agent.toolbox
+        self._stopped: set[str] = set()  # calls a cancel stopped while they ran
         self.stats = stats or HarnessStats()
         self.agent = agent
         self.sid = sid
@@ -182,7 +188,7 @@ class Turn:
     async def _request(self, step: int) -> ModelRequest:
         return await assemble(
             system=self.agent.instructions,
-            tools=self.agent.tool_specs,
+            tools=self.toolbox.specs,
             callback=self.agent.input_callback,
             session_id=self.sid,
             turn_id=self.turn_id,
@@ -253,7 +259,7 @@ class Turn:
         events: list[Pending] = []
         if reply.text:
             events.append(self._event(MessageCompletedData(item.id, reply.text)))
-        gated = [c for c in calls if needs_approval(self.agent.tools, c)]
+        gated = [c for c in calls if needs_approval(self.toolbox.tools, c)]
         requests = [
             ApprovalRequest(request_id(c.id or ""), c.id or "", c.name, c.arguments, self.turn_id) for c in gated
         ]
@@ -307,10 +313,15 @@ class Turn:
             else:
                 if call.id != announced and _cancelled(await self._commit([], self._tool_started([call]), guard=True)):
                     return EndCancelled()
-                context = ToolContext(self.sid, self.turn_id, call.id or "")
                 began = time.perf_counter()
-                text, is_error = await run_call(self.agent.tools, call, context)
-                self.stats.tool(call.name if call.name in self.agent.tools else "unknown", time.perf_counter() - began)
+                ran = await self._run_call(call)
+                self.stats.tool(
+                    call.name if call.name in self.toolbox.tools else "unknown", time.perf_counter() - began
+                )
+                if ran is None:  # a cancel stopped it (an MCP server's call): the turn ends now
+                    self._stopped.add(call.id or "")
+                    return EndCancelled()
+                text, is_error = ran
                 failpoints.reached("tool.after_run")
             result = result_item(self.turn_id, call, text, is_error=is_error)
             following = next((c for c in todo[n + 1 :] if not denial(self.begun.answers, c)), None)
@@ -329,6 +340,27 @@ class Turn:
             self.attempt_counted = model_next
         self._reread = bool(self.agent.runtime)
         return None
+
+    async def _run_call(self, call: ToolCall) -> tuple[str, bool] | None:
+        """Run one call: its result text and whether it is an error; None when the tool is one a
+        cancel stops (`interruptible`) and a cancel of the turn did, during the call."""
+        context = ToolContext(self.sid, self.turn_id, call.id or "")
+        tool = self.toolbox.tools.get(call.name)
+        if tool is None or not tool.interruptible:
+            return await run_call(self.toolbox.tools, call, context)  # (a running Python tool finishes first)
+        running = asyncio.ensure_future(run_call(self.toolbox.tools, call, context))
+
+        def stop() -> None:
+            running.cancel()
+
+        with self.store.hub.cancellable(self.sid, self.turn_id, stop):
+            try:
+                return await running
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise  # (this task is stopped: a shutdown, not the turn's cancel)
+                return None
 
     def _tool_started(self, calls: tuple[ToolCall, ...] | list[ToolCall]) -> list[Pending]:
         return [self._event(ToolStartedData(c.id or "", c.name, c.arguments)) for c in calls]
@@ -354,8 +386,9 @@ class Turn:
             done = {i.tool_call_id for i in self.turn_items if i.role == "tool"}
             for call in pending.tool_calls:
                 if call.id not in done:
+                    said = "stopped when the turn was cancelled" if call.id in self._stopped else "not run"
                     items.append(
-                        result_item(self.turn_id, call, "error: the turn was cancelled; not run", is_error=True)
+                        result_item(self.turn_id, call, f"error: the turn was cancelled; {said}", is_error=True)
                     )
         events = [self._event(TurnCancelledData(self.message.message_id))]
         committed = await self._commit(items, events, mode="final", answers=withdrawn)

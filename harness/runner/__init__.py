@@ -19,6 +19,7 @@ import contextlib
 import contextvars
 import logging
 import time
+from collections.abc import Callable
 
 from harness.aio import cancel_and_wait
 from harness.errors import StaleLease
@@ -32,6 +33,7 @@ from harness.runner.state import InHand, Phase
 from harness.store import Begun, Busy, JobId, JobQueue, NoWork, Store
 from harness.telemetry.logcontext import session_id, turn_id
 from harness.telemetry.metrics import HarnessStats
+from harness.tools.toolbox import Toolbox
 
 log = logging.getLogger("keel.runner")
 COVERED_MAX = 50_000  # sessions remembered as covered; past that the memo restarts (costs a BEGIN)
@@ -52,11 +54,14 @@ class Runner:
         lease_ms: int = 5_000,
         block_ms: int = 1_000,
         stats: HarnessStats | None = None,
+        toolbox: Callable[[], Toolbox] | None = None,
     ) -> None:
         self.stats = stats or HarnessStats()
         self.store = store
         self.jobs = store.jobs
         self.agent = agent
+        # the tools a turn that begins now has (the agent's, and its MCP servers' as they are)
+        self.toolbox = toolbox or (lambda: agent.toolbox)
         self.calls = Calls()  # the model calls in progress here (a drain stops them)
         self.lease_ms = lease_ms
         self.block_ms = block_ms
@@ -321,7 +326,10 @@ class Runner:
         started = time.perf_counter()
         try:
             if begun.message.kind == "message":
-                outcome = await Turn(self.store, self.agent, sid, begun, calls=self.calls, stats=self.stats).run()
+                turn = Turn(
+                    self.store, self.agent, sid, begun, calls=self.calls, stats=self.stats, tools=self.toolbox()
+                )
+                outcome = await turn.run()
                 self.stats.turn_seconds.observe(time.perf_counter() - started)
             else:
                 outcome = await Housekeeping(self.store, self.agent, sid, begun).run()

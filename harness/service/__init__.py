@@ -7,12 +7,14 @@ validated values, returns msgspec values, raises `harness.errors`.
 - `webhooks` (`Webhooks`): event webhook subscriptions and dead letters;
 - `quotas` (`Quotas`): the rate limits a channel checks before it makes work;
 - `runner` (`harness.runner.Runner`, or None in a process that runs no turns) and `relay`
-  (`harness.relay.Relay`, once `start_relay` made one): the work this process does;
+  (`harness.relay.Relay`, once `start_relay` made one): the work this process does; `mcp`
+  (`harness.tools.mcp.McpTools`), the sessions with the agent's MCP servers, where it has any;
 - `store` (`harness.store.Store`) under them all, and `stats`, what this process counted.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from harness.loop.agent import Agent
@@ -23,6 +25,9 @@ from harness.service.sessions import Sessions
 from harness.service.webhooks import Webhooks
 from harness.store import Client, Store, connect, reachable
 from harness.telemetry.metrics import HarnessStats
+from harness.tools.mcp import McpTools
+from harness.tools.mcpconfig import McpServer
+from harness.tools.toolbox import Toolbox
 from harness.types import Depth
 
 
@@ -58,8 +63,15 @@ class Harness:
         )
         self.lease_ms = lease_ms
         self.runner: Runner | None = None
+        self.mcp: McpTools | None = None
         if run_turns and agent is not None:
-            self.runner = Runner(self.store, agent, concurrency=concurrency, lease_ms=lease_ms, stats=self.stats)
+            toolbox = None
+            if agent.mcp_servers:  # (sessions with them only where turns run: the calls are made there)
+                self.mcp = McpTools(agent.toolbox, agent.mcp_servers, changed=self.stats.mcp_catalogue_changed)
+                toolbox = self.mcp.current
+            self.runner = Runner(
+                self.store, agent, concurrency=concurrency, lease_ms=lease_ms, stats=self.stats, toolbox=toolbox
+            )
         self.sessions = Sessions(self.store, self.runner)
         self.webhooks = Webhooks(self.store)
         self.quotas = Quotas(self.store, rate_limit, token_rate)
@@ -79,8 +91,20 @@ class Harness:
         nothing answers there."""
         return await reachable(url, timeout)
 
+    @staticmethod
+    async def check_mcp(servers: Sequence[McpServer]) -> None:
+        """Open a session with each MCP server and close it again: McpUnavailable (naming the
+        server) for the first that cannot be started or reached (a look before serving)."""
+        tools = McpTools(Toolbox(), servers)
+        await tools.start()
+        await tools.stop()
+
     async def start(self) -> None:
+        """Storage, the MCP servers' sessions (McpUnavailable, naming the server, if one cannot be
+        opened), then the runner."""
         await self.store.start()
+        if self.mcp is not None:
+            await self.mcp.start()
         if self.runner is not None:
             self.runner.start()
 
@@ -94,13 +118,18 @@ class Harness:
     async def hand_over(self, timeout: float) -> int:
         """The process drains: its running turns go to other processes at once (`Runner.hand_over`).
         Returns how many sessions were handed over."""
-        return await self.runner.hand_over(timeout) if self.runner is not None else 0
+        handed = await self.runner.hand_over(timeout) if self.runner is not None else 0
+        if self.mcp is not None:
+            await self.mcp.stop()  # (its stdio servers with it)
+        return handed
 
     async def stop(self) -> None:
         if self.relay is not None:
             await self.relay.stop()
         if self.runner is not None:
             await self.runner.stop()
+        if self.mcp is not None:
+            await self.mcp.stop()
         await self.store.close()
         if self._owns_redis:
             await self.redis.aclose()

@@ -32,7 +32,17 @@ from harness.store import (
     Submitted,
     streamids,
 )
-from harness.types import Answer, EntryKind, InboxMessage, Item, PageContext, SessionInfo, SubmitResult, TurnResult
+from harness.types import (
+    Answer,
+    EntryKind,
+    InboxMessage,
+    Item,
+    PageContext,
+    SessionInfo,
+    SubmitResult,
+    TurnOutcome,
+    TurnResult,
+)
 
 MAX_REASON = 2_000
 
@@ -283,7 +293,16 @@ class Sessions:
         """Wait until the message's turn settles; returns its events (from message.received on)."""
         after = streamids.before(result.received_id)
         async with self.store.hub.watch(result.session_id, settled_only=True) as watch:
-            return await collect_turn(self.store.outbox, result, watch, after, timeout, read_first=True)
+            outcome = await collect_turn(
+                self.store.outbox,
+                result.session_id,
+                result.turn_id,
+                watch,
+                after=after,
+                timeout=timeout,
+                read_first=True,
+            )
+        return _result(result, outcome)
 
     async def submit_and_wait(
         self, sid: str, owner: str, text: str, *, context: PageContext, message_id: str | None, timeout: float
@@ -296,4 +315,31 @@ class Sessions:
             if not result.duplicate:  # its events, from message.received on, may come published
                 watch.last_seq = result.received_seq - 1
             after = streamids.before(result.received_id)
-            return await collect_turn(self.store.outbox, result, watch, after, timeout, read_first=result.duplicate)
+            outcome = await collect_turn(
+                self.store.outbox, sid, result.turn_id, watch, after=after, timeout=timeout, read_first=result.duplicate
+            )
+        return _result(result, outcome)
+
+    async def respond_and_wait(
+        self, sid: str, owner: str, request_id: str, decision: str, reason: str = "", *, timeout: float
+    ) -> TurnOutcome:
+        """`respond`, then wait for the turn it resumes to settle again: its events after the
+        answer. An answer that leaves other requests open is `waiting` at once; a repeated
+        answer (the turn went on with the first) is `pending`: the session says how it stands."""
+        check_session_id(sid)
+        async with self.store.hub.watch(sid, settled_only=True) as watch:
+            res = await self.respond(sid, owner, request_id, decision, reason)
+            match res:
+                case Recorded(runnable=True, event=event):
+                    turn_id = event.decoded().turn_id or ""
+                    return await collect_turn(
+                        self.store.outbox, sid, turn_id, watch, after=event.id, timeout=timeout, read_first=True
+                    )
+                case Recorded(event=event):
+                    return TurnOutcome(status="waiting", reply=None, events=[event])
+                case AlreadyAnswered():
+                    return TurnOutcome(status="pending", reply=None, events=[])
+
+
+def _result(submitted: SubmitResult, outcome: TurnOutcome) -> TurnResult:
+    return TurnResult(submitted.session_id, submitted.message_id, outcome.status, outcome.reply, outcome.events)

@@ -1,7 +1,6 @@
-"""Waiting for a turn to settle (`?wait=true`).
-
-Waiting for a turn to settle (`?wait=true`): its events, read from its message on, until
-the newest of them says how the turn came out (NotFound if the session ends meanwhile)."""
+"""Waiting for a turn to settle (`?wait=true`, an answer that resumes a turn): its events, read
+from a given point on, until the newest of them says how the turn came out (NotFound if the
+session ends meanwhile)."""
 
 from __future__ import annotations
 
@@ -10,20 +9,19 @@ import asyncio
 from harness.errors import NotFound
 from harness.events import OUTCOMES, StoredEvent, TurnCompleted
 from harness.store import Outbox, Watch
-from harness.types import SubmitResult, TurnResult
+from harness.types import TurnOutcome
 
 
 async def collect_turn(
-    outbox: Outbox, result: SubmitResult, watch: Watch, after: str, timeout: float, *, read_first: bool
-) -> TurnResult:
-    """The turn's events from its message on, until the turn's newest event settles it: a
-    turn.* event, or an input.requested with nothing after it (so asking again later about
-    a turn that paused and then finished reports how it finished)."""
-    sid = result.session_id
+    outbox: Outbox, sid: str, turn_id: str, watch: Watch, *, after: str, timeout: float, read_first: bool
+) -> TurnOutcome:
+    """The turn's events after `after`, until the turn's newest event settles it: a turn.*
+    event, or an input.requested with nothing after it (so asking again later about a turn
+    that paused and then finished reports how it finished)."""
     events: list[StoredEvent] = []
-    marker = b'"turn_id":"' + result.turn_id.encode() + b'"'
+    marker = b'"turn_id":"' + turn_id.encode() + b'"'
 
-    async def collect() -> TurnResult:
+    async def collect() -> TurnOutcome:
         position, read = after, read_first
         while True:
             if read:
@@ -36,13 +34,8 @@ async def collect_turn(
                 status = OUTCOMES.get(events[-1].type) if events else None
                 if status is not None:
                     completed = events[-1].of(TurnCompleted)
-                    return TurnResult(
-                        session_id=sid,
-                        message_id=result.message_id,
-                        status=status,
-                        reply=completed.data.reply if completed is not None else None,
-                        events=events,
-                    )
+                    reply = completed.data.reply if completed is not None else None
+                    return TurnOutcome(status=status, reply=reply, events=events)
             woken = await watch.wait(min(timeout, 5.0))  # or a periodic look in case a wake-up was lost
             if watch.ended is not None or (not woken and not await outbox.exists(sid)):
                 raise NotFound(f"session {sid} was deleted", code="session_not_found")
@@ -52,4 +45,4 @@ async def collect_turn(
         async with asyncio.timeout(timeout):
             return await collect()
     except TimeoutError:
-        return TurnResult(session_id=sid, message_id=result.message_id, status="pending", reply=None, events=events)
+        return TurnOutcome(status="pending", reply=None, events=events)

@@ -68,6 +68,7 @@ class HarnessStats:
     model_seconds: Histogram = field(default_factory=Histogram)  # one model attempt
     model_attempts: dict[str, int] = field(default_factory=dict)  # "ok", "interrupted", "handed_over", error code
     tool_seconds: dict[str, Histogram] = field(default_factory=dict)  # tool name -> its runs
+    mcp_catalogue_changes: dict[str, int] = field(default_factory=dict)  # MCP server -> its tool list changed
     lease_takeovers: int = 0  # turns this process resumed from a runner whose lease lapsed
     handed_over: int = 0  # sessions this process gave to other runners when it drained
 
@@ -83,6 +84,9 @@ class HarnessStats:
     def attempt(self, outcome: str, seconds: float) -> None:
         self.model_attempts[outcome] = self.model_attempts.get(outcome, 0) + 1
         self.model_seconds.observe(seconds)
+
+    def mcp_catalogue_changed(self, server: str) -> None:
+        self.mcp_catalogue_changes[server] = self.mcp_catalogue_changes.get(server, 0) + 1
 
     def tool(self, name: str, seconds: float) -> None:
         histogram = self.tool_seconds.get(name)

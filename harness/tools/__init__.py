@@ -27,7 +27,10 @@ class ToolContext(msgspec.Struct, frozen=True):
 
 
 class Tool:
-    """A callable the model may invoke. Build with `@tool`; an Agent wraps bare functions."""
+    """A callable the model may invoke. Build with `@tool`; an Agent wraps bare functions. A
+    running call finishes even when its turn is cancelled (`interruptible` False)."""
+
+    interruptible = False
 
     def __init__(self, fn: Callable[..., Any], *, name: str | None = None, approval: Approval = False) -> None:
         self.fn = fn

@@ -12,11 +12,14 @@ from typing import Any
 
 import msgspec
 
-from harness.tools import Tool, ToolContext
+from harness.errors import ToolError
+from harness.tools import ToolContext
+from harness.tools.toolbox import ToolPort
 from harness.types import Answer, Item, ToolCall
 
 log = logging.getLogger("keel.turn")
 _enc = msgspec.json.Encoder()
+RESULT_MAX_CHARS = 100_000  # of one call's result: the rest is cut (a result is history, every turn's)
 
 
 def request_id(call_id: str) -> str:
@@ -31,7 +34,7 @@ def denial(answers: Mapping[str, Answer | None], call: ToolCall) -> Answer | Non
     return answer if answer is not None and answer.decision != "approve" else None
 
 
-def needs_approval(tools: Mapping[str, Tool], call: ToolCall) -> bool:
+def needs_approval(tools: Mapping[str, ToolPort], call: ToolCall) -> bool:
     tool = tools.get(call.name)
     if tool is None:
         return False  # answered with an error result; nothing runs
@@ -42,9 +45,9 @@ def needs_approval(tools: Mapping[str, Tool], call: ToolCall) -> bool:
         return True  # when in doubt, ask
 
 
-async def run_call(tools: Mapping[str, Tool], call: ToolCall, context: ToolContext) -> tuple[str, bool]:
+async def run_call(tools: Mapping[str, ToolPort], call: ToolCall, context: ToolContext) -> tuple[str, bool]:
     """The call's result text and whether it is an error (a tool's failure is a result the
-    model sees, not a failed turn)."""
+    model sees, not a failed turn), at most RESULT_MAX_CHARS of it."""
     tool = tools.get(call.name)
     if tool is None:
         return f"error: there is no tool named {call.name!r}", True
@@ -53,10 +56,19 @@ async def run_call(tools: Mapping[str, Tool], call: ToolCall, context: ToolConte
     except asyncio.CancelledError:
         raise
     except msgspec.ValidationError as exc:
-        return f"error: invalid arguments for {call.name}: {exc}", True
+        return capped(f"error: invalid arguments for {call.name}: {exc}"), True
+    except ToolError as exc:  # (an error result the tool's server made: its text as it said it)
+        return capped(f"error: {exc.message}"), True
     except Exception as exc:
-        return f"error: {type(exc).__name__}: {exc}", True
-    return result_text(value), False
+        return capped(f"error: {type(exc).__name__}: {exc}"), True
+    return capped(result_text(value)), False
+
+
+def capped(text: str) -> str:
+    """`text`, or its first RESULT_MAX_CHARS characters and a note of how many were cut."""
+    if len(text) <= RESULT_MAX_CHARS:
+        return text
+    return f"{text[:RESULT_MAX_CHARS]}\n[... {len(text) - RESULT_MAX_CHARS} more characters cut ...]"
 
 
 def result_item(turn_id: str, call: ToolCall, text: str, *, is_error: bool) -> Item:

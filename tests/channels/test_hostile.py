@@ -192,7 +192,7 @@ async def test_a_socket_whose_tasks_fail_together_leaves_no_exception_unread(mon
     async def ends(self: Connection, *args: Any) -> None:
         raise WebSocketDisconnect(1009)
 
-    for name in ("_follow", "_write", "_read"):
+    for name in ("_follow", "_write", "_read", "_drained"):  # (all four: a bare Connection has no drain)
         monkeypatch.setattr(Connection, name, ends)
     unread: list[dict[str, Any]] = []
     loop = asyncio.get_running_loop()

@@ -145,6 +145,7 @@ async def conversation(c: httpx.AsyncClient, receiver: Receiver) -> list[str]:
     receiver.expect("all", r.json()["secret"])
     sid = (await c.post("/v1/sessions", json={"metadata": {"user": "ada", "plan": {"tier": 2}}})).json()["session_id"]
     sse = SseReader(c, sid)
+    await sse.until('"type":"session.created"')  # the stream is open: the first turn's deltas reach it
     answers = [await _wait(c, sid, "hello", context={"page": "/invoices/17", "cart": "2 lamps"})]
     answers.append(await _wait(c, sid, "add 2 40", context="the user is on the sums page"))
     waiting = await _wait(c, sid, "order lamp")

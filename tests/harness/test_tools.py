@@ -4,7 +4,10 @@ import msgspec
 import pytest
 
 from harness import Agent, ToolContext, tool
-from harness.models import ModelReply, ScriptedModel
+from harness.errors import ToolError
+from harness.models import ModelReply, ScriptedModel, ToolCall
+from harness.tools.calls import RESULT_MAX_CHARS, run_call
+from harness.tools.toolbox import Toolbox
 
 
 def test_schema_comes_from_the_signature_and_docstring() -> None:
@@ -48,3 +51,21 @@ def test_tool_specs_are_the_same_objects_every_time() -> None:
 
     agent = Agent(instructions="", model=ScriptedModel(lambda r: ModelReply()), tools=[a])
     assert msgspec.json.encode(agent.tool_specs) == msgspec.json.encode(agent.tool_specs)
+
+
+async def test_a_result_past_the_cap_is_cut_with_a_note_and_an_error_keeps_its_message() -> None:
+    @tool
+    def big() -> str:
+        """A long result."""
+        return "x" * (RESULT_MAX_CHARS + 5)
+
+    @tool
+    def fails() -> str:
+        """A tool that says why it failed."""
+        raise ToolError("the printer is on fire")
+
+    ctx = ToolContext("ses_1", "turn_1", "call_1")
+    text, is_error = await run_call(Toolbox.of([big, fails]).tools, ToolCall("big", {}, "call_1"), ctx)
+    assert not is_error and text == "x" * RESULT_MAX_CHARS + "\n[... 5 more characters cut ...]"
+    text, is_error = await run_call(Toolbox.of([big, fails]).tools, ToolCall("fails", {}, "call_2"), ctx)
+    assert is_error and text == "error: the printer is on fire"

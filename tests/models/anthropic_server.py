@@ -2,7 +2,8 @@
 the API documents it: message_start, content_block_start/delta/stop, ping, message_delta with
 cumulative usage, message_stop, and `error` events), for the real SDK client to talk to.
 
-Each POST /v1/messages takes the next scripted `Reply` and records the request body. A Reply is
+Each POST /v1/messages takes the next scripted `Reply` (or a function of the request body that
+makes one) and records the request body. A Reply is
 a stream of content blocks, or an HTTP error, and can cut the stream, go idle, or wait on an
 event so a test can act mid-stream."""
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,7 +108,7 @@ def events(reply: Reply) -> list[tuple[str, dict[str, Any]]]:
 
 class AnthropicServer:
     def __init__(self) -> None:
-        self.replies: list[Reply] = []
+        self.replies: list[Reply | Callable[[dict[str, Any]], Reply]] = []  # a function: of the request
         self.requests: list[dict[str, Any]] = []
         self.headers: list[dict[str, str]] = []
         self.clients: list[Any] = []  # SDK clients made for this server, closed with it
@@ -127,15 +128,17 @@ class AnthropicServer:
         await self.live.stop()
 
     async def messages(self, request: Request) -> Response:
-        self.requests.append(json.loads(await request.body()))
+        body = json.loads(await request.body())
+        self.requests.append(body)
         self.requested.set()
         self.headers.append(dict(request.headers))
         if not self.replies:
             return JSONResponse({"type": "error", "error": {"type": "api_error", "message": "no reply scripted"}}, 500)
-        reply = self.replies.pop(0)
+        scripted = self.replies.pop(0)
+        reply = scripted if isinstance(scripted, Reply) else scripted(body)
         if reply.status != 200:
-            body = {"type": "error", "error": reply.error or {"type": "api_error", "message": "failed"}}
-            return JSONResponse(body, reply.status, headers=reply.headers)
+            failure = {"type": "error", "error": reply.error or {"type": "api_error", "message": "failed"}}
+            return JSONResponse(failure, reply.status, headers=reply.headers)
         return StreamingResponse(self._stream(reply), media_type="text/event-stream")
 
     async def _stream(self, reply: Reply) -> AsyncIterator[bytes]:
