@@ -132,7 +132,10 @@ def create_app(
 
     ws_stats, sse_stats, drain = WsStats(), SseStats(), Drain()
     mcp = McpChannel(
-        open_to_all_hosts=bool(settings.api_keys), max_body=settings.max_body, wait_timeout=settings.wait_timeout
+        open_to_all_hosts=bool(settings.api_keys),
+        host=settings.host,
+        max_body=settings.max_body,
+        wait_timeout=settings.wait_timeout,
     )
     metrics = Metrics(Sources(lambda: getattr(app.state, "harness", None), ws=ws_stats, sse=sse_stats))
     app = Starlette(

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
 
 import msgspec
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
     import mcp_types as types
     from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
 
+log = logging.getLogger("keel")
 PATH = "/mcp"
 STOP_S = 5.0  # the session manager's ending, at most (its requests in flight are then cut)
 LOOPBACK_HOSTS = ["127.0.0.1", "127.0.0.1:*", "localhost", "localhost:*", "[::1]", "[::1]:*"]
@@ -163,8 +165,11 @@ class McpChannel:
     """The `/mcp` endpoint (an ASGI app). Its SDK session manager runs in a task of its own from
     the first request until `stop`."""
 
-    def __init__(self, *, open_to_all_hosts: bool, max_body: int, wait_timeout: float) -> None:
+    def __init__(self, *, open_to_all_hosts: bool, host: str, max_body: int, wait_timeout: float) -> None:
         self.open_to_all_hosts = open_to_all_hosts
+        named = f"[{host}]" if ":" in host else host  # (the address keel listens on, if another loopback one)
+        self.hosts = [*LOOPBACK_HOSTS, named, f"{named}:*"]
+        self.origins = [*LOOPBACK_ORIGINS, f"http://{named}:*"]
         self.max_body = max_body
         self.wait_timeout = wait_timeout
         self._manager: asyncio.Future[StreamableHTTPSessionManager | None] | None = None
@@ -172,6 +177,9 @@ class McpChannel:
         self._stopping = asyncio.Event()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self._stopping.is_set():
+            await error_response(503, "stopping", "keel is stopping")(scope, receive, send)
+            return
         manager = await self._started()
         if manager is None:
             message = "this keel has no MCP support: install the keel[mcp] extra"
@@ -200,8 +208,14 @@ class McpChannel:
             async with manager.run():
                 ready.set_result(manager)
                 await self._stopping.wait()
-        except ImportError:
-            ready.set_result(None)
+        except ModuleNotFoundError as exc:
+            if not (exc.name or "").startswith(("mcp", "httpx2")):
+                log.exception("keel's MCP server could not be loaded")
+                raise
+            ready.set_result(None)  # (the extra is not installed: 501, saying so)
+        except Exception:
+            log.exception("keel's MCP server stopped")
+            raise
         finally:
             if not ready.done():  # (it failed to start: every request says so, none waits)
                 ready.set_exception(RuntimeError("keel's MCP server did not start"))
@@ -216,7 +230,7 @@ class McpChannel:
             TransportSecuritySettings(enable_dns_rebinding_protection=False)
             if self.open_to_all_hosts
             else TransportSecuritySettings(
-                enable_dns_rebinding_protection=True, allowed_hosts=LOOPBACK_HOSTS, allowed_origins=LOOPBACK_ORIGINS
+                enable_dns_rebinding_protection=True, allowed_hosts=self.hosts, allowed_origins=self.origins
             )
         )
         self._tools = _tools()

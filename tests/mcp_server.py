@@ -126,7 +126,10 @@ def make(log_path: str) -> tuple[MCPServer, dict[str, int]]:  # noqa: PLR0915 (o
             return "extra"
 
         mcp.add_tool(extra, annotations=READ_ONLY)
-        await ctx.notify_tools_changed()
+        if ctx.protocol_version in ("2025-11-25", "2025-06-18", "2025-03-26"):  # (a session: a notification)
+            await ctx.session.send_tool_list_changed()
+        else:  # (2026-07-28: an event to `subscriptions/listen` streams)
+            await ctx.notify_tools_changed()
         return "grown"
 
     return mcp, counts

@@ -79,68 +79,104 @@ class McpTool:
         return self.spec == other.spec and self.read_only == other.read_only
 
 
+class _Link:
+    """One opened session with a server: the task that holds the SDK's client (so a connection
+    that dies takes down that task, not the calls' callers), from its opening to its end. A
+    failure of one link touches no other: a call on an old link that fails late cannot close
+    the link made after it."""
+
+    def __init__(self) -> None:
+        self.client: Any = None  # the SDK's Client, once open, until the link ends
+        self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()  # opened (or why not)
+        self.closing = asyncio.Event()  # set: the holder lets the client go
+        self.holder: asyncio.Task[None] | None = None
+        self.stale = False  # no new call goes over it; let go once its calls in flight are over
+        self.inflight = 0
+        self.ready.add_done_callback(lambda f: f.cancelled() or f.exception())  # (read, if none waited)
+
+    def usable(self) -> bool:
+        """Open, not let go, and its connection not known to have ended (a stdio server that
+        exited while idle: the SDK's dispatcher has seen the end of its output)."""
+        if self.client is None or self.stale or self.closing.is_set():
+            return False
+        dispatcher = getattr(self.client.session, "_dispatcher", None)  # (the SDK has no public flag)
+        return not getattr(dispatcher, "_closed", False)
+
+
 class McpSession:
-    """This process's session with one MCP server: opened by a task of its own that holds the
-    SDK's client (so a connection that dies takes down that task, not the calls' callers), made
-    again for the next call after it died."""
+    """This process's session with one MCP server: its current link, made again for the next
+    call after one died; the server's tools as it last listed them."""
 
     def __init__(self, server: McpServer, changed: Callable[[McpSession], None]) -> None:
         self.server = server
         self.tools: tuple[McpTool, ...] = ()
         self._changed = changed  # the catalogue changed (called once the new one is in place)
-        self._client: Any = None
-        self._holder: asyncio.Task[None] | None = None
-        self._closing = asyncio.Event()
-        self._opening: asyncio.Lock = asyncio.Lock()
+        self._link: _Link | None = None  # the newest link, opening or open
+        self._links: set[_Link] = set()  # every link whose holder runs (ended at close)
         self._tasks: set[asyncio.Task[None]] = set()
+        self._closed = False
 
     # ---- the session -----------------------------------------------------------------------
 
-    async def open(self) -> None:
-        """Open the session and list the tools; McpUnavailable (naming the server) if it cannot."""
-        async with self._opening:
-            if self._client is not None:
-                return
-            ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            self._closing = asyncio.Event()
-            self._holder = asyncio.create_task(self._hold(ready), name=f"keel-mcp-{self.server.name}")
-            try:
-                async with asyncio.timeout(OPEN_S):
-                    await asyncio.shield(ready)
-            except TimeoutError:
-                await self._stop_holder()
-                raise McpUnavailable(f"MCP server {self.server.name!r}: no session within {OPEN_S:g} s") from None
-            except McpUnavailable:
-                await self._stop_holder()
-                raise
+    @property
+    def connected(self) -> bool:
+        """Whether a call now would go over the session open now (else it opens another first)."""
+        return self._link is not None and self._link.usable()
 
-    async def _hold(self, ready: asyncio.Future[None]) -> None:
+    async def open(self, wait: float = OPEN_S) -> _Link:
+        """The open link, opening one if there is none (callers at the same time share one
+        opening); McpUnavailable (naming the server) if it cannot be opened, or not within
+        `wait` seconds for this caller (the opening goes on for the others)."""
+        if self._closed:
+            raise McpUnavailable(f"MCP server {self.server.name!r}: keel is stopping")
+        link = self._link
+        if link is None or (link.ready.done() and not link.usable()):
+            if link is not None:
+                self._lost(link)
+            link = self._link = _Link()
+            self._links.add(link)
+            link.holder = asyncio.create_task(self._hold(link), name=f"keel-mcp-{self.server.name}")
+        try:
+            async with asyncio.timeout(min(wait, OPEN_S)):
+                await asyncio.shield(link.ready)
+        except TimeoutError:
+            raise McpUnavailable(
+                f"MCP server {self.server.name!r}: no session within {min(wait, OPEN_S):g} s"
+            ) from None
+        return link
+
+    async def _hold(self, link: _Link) -> None:
         from mcp import Client  # (keel[mcp]: imported only where a server is configured)
 
+        name = self.server.name
         try:
             async with contextlib.AsyncExitStack() as stack:
-                client = await stack.enter_async_context(
-                    Client(await self._target(stack), message_handler=self._message)
-                )
-                tools = await self._list(client)
-                self._client = client
+                async with asyncio.timeout(OPEN_S):
+                    client = await stack.enter_async_context(
+                        Client(await self._target(stack), message_handler=self._message)
+                    )
+                    tools = await self._list(client)
+                link.client = client
                 self._catalogue(tools)
-                ready.set_result(None)
-                self._spawn(self._listen(client))
-                await self._closing.wait()
+                link.ready.set_result(None)
+                self._spawn(self._listen(link))
+                await link.closing.wait()
         except asyncio.CancelledError:
-            if not ready.done():
-                ready.set_exception(McpUnavailable(f"MCP server {self.server.name!r}: closed while opening"))
+            if not link.ready.done():
+                link.ready.set_exception(McpUnavailable(f"MCP server {name!r}: closed while opening"))
             raise
         except BaseException as exc:
-            if not ready.done():
-                ready.set_exception(McpUnavailable(f"MCP server {self.server.name!r}: {self._failed()}: {_why(exc)}"))
-            elif not self._closing.is_set():
-                log.warning(
-                    "mcp: the session with %s ended: %s; the next call opens it again", self.server.name, _why(exc)
-                )
+            if not link.ready.done():
+                why = f"no session within {OPEN_S:g} s" if isinstance(exc, TimeoutError) else _why(exc)
+                link.ready.set_exception(McpUnavailable(f"MCP server {name!r}: {self._failed()}: {why}"))
+            elif not link.closing.is_set():
+                log.warning("mcp: the session with %s ended: %s; the next call opens another", name, _why(exc))
         finally:
-            self._client = None
+            link.client = None
+            link.closing.set()
+            if self._link is link:
+                self._link = None
+            self._links.discard(link)
 
     async def _target(self, stack: contextlib.AsyncExitStack) -> Any:
         """What the SDK's client connects to: the server's command (stdio), or its URL with the
@@ -149,8 +185,10 @@ class McpSession:
             import httpx2  # (the mcp SDK's HTTP client)
             from mcp.client.streamable_http import streamable_http_client
 
-            # (as the SDK's own: 30 s to connect or write, 5 min to read a held response stream)
-            http = httpx2.AsyncClient(headers=dict(self.server.headers), timeout=httpx2.Timeout(30.0, read=300.0))
+            # 30 s to connect or write (as the SDK's own); a held response stream is read for as
+            # long as a call may take
+            read = max(300.0, self.server.timeout_s + 30.0)
+            http = httpx2.AsyncClient(headers=dict(self.server.headers), timeout=httpx2.Timeout(30.0, read=read))
             await stack.enter_async_context(http)
             return streamable_http_client(self.server.url, http_client=http)
         from mcp.client.stdio import StdioServerParameters
@@ -166,20 +204,35 @@ class McpSession:
             return f"cannot reach {self.server.url.split('?', 1)[0]}"
         return f"cannot start {self.server.command}"
 
-    async def close(self) -> None:
-        """End the session (a stdio server's process with it)."""
-        await cancel_and_wait(self._tasks)
-        await self._stop_holder()
+    def _lost(self, link: _Link) -> None:
+        """This link is no good any more: the next call opens another, and its holder lets it go
+        once the calls in flight over it are over (closing it now would cut them short: a
+        server that lost keel's session refuses each of them, and each then goes again)."""
+        link.stale = True
+        if self._link is link:
+            self._link = None
+        if not link.inflight:
+            link.closing.set()
 
-    async def _stop_holder(self) -> None:
-        self._closing.set()
-        holder, self._holder = self._holder, None
-        if holder is not None and not holder.done():
-            with contextlib.suppress(TimeoutError, Exception):
-                async with asyncio.timeout(STOP_S):
-                    await asyncio.shield(holder)
-            if not holder.done():
-                await cancel_and_wait([holder])
+    async def close(self) -> None:
+        """End the session: every link (a stdio server's process with it), for good."""
+        self._closed = True
+        await cancel_and_wait(self._tasks)
+        links = list(self._links)
+        for link in links:
+            link.closing.set()  # an open link's holder lets its client go (a stdio server told to end)
+            if link.holder is not None and not link.ready.done():
+                link.holder.cancel()  # one still opening is stopped (once: the SDK then ends its process)
+        holders = [link.holder for link in links if link.holder is not None and not link.holder.done()]
+        if holders:
+            _, late = await asyncio.wait(holders, timeout=STOP_S)
+            for holder in late:
+                holder.cancel()
+            # (one cancel, waited for: cancelling again would cut short the SDK's shielded ending
+            # of a stdio server, which then outlives keel)
+            _, late = await asyncio.wait(late, timeout=STOP_S) if late else (set(), set())
+            await cancel_and_wait(late)
+        self._link = None
 
     def _spawn(self, work: Any) -> None:
         task = asyncio.get_running_loop().create_task(work)
@@ -231,10 +284,10 @@ class McpSession:
         elif isinstance(message, Exception):
             log.debug("mcp: %s: %s", self.server.name, _why(message))
 
-    async def _listen(self, client: Any) -> None:
+    async def _listen(self, link: _Link) -> None:
         """A 2026-07-28 server's change events (`subscriptions/listen`), where it has them."""
         try:
-            async with client.listen(tools_list_changed=True) as changes:
+            async with link.client.listen(tools_list_changed=True) as changes:
                 async for _ in changes:
                     await self._relist()
         except asyncio.CancelledError:
@@ -243,11 +296,11 @@ class McpSession:
             log.debug("mcp: no change events from %s: %s", self.server.name, _why(exc))
 
     async def _relist(self) -> None:
-        client = self._client
-        if client is None:
+        link = self._link
+        if link is None or not link.usable():
             return
         try:
-            self._catalogue(await self._list(client))
+            self._catalogue(await self._list(link.client))
         except Exception as exc:
             log.warning("mcp: listing %s's tools again failed: %s", self.server.name, _why(exc))
 
@@ -259,31 +312,27 @@ class McpSession:
         refused for a session it no longer has (HTTP 404 for the session id: it never ran) is
         sent once more, over a new session."""
         for attempt in (1, 2):
-            client = await self._client_for_call()
+            link = self._link
+            if link is None or not link.usable():
+                try:
+                    link = await self.open(self.server.timeout_s)
+                except McpUnavailable as exc:
+                    raise ToolError(exc.message) from None
             try:
-                return await self._call_once(client, tool, arguments, call_id)
+                return await self._call_once(link, tool, arguments, call_id)
             except _SessionGone:
-                self._lost()
+                self._lost(link)
                 if attempt == 2:
                     gone = f"MCP server {self.server.name!r} lost the session twice; the call did not run"
                     raise ToolError(gone) from None
                 log.info("mcp: %s no longer has keel's session; %s goes over a new one", self.server.name, tool)
         raise AssertionError("unreachable")
 
-    async def _client_for_call(self) -> Any:
-        if self._client is None:
-            try:
-                await self.open()
-            except McpUnavailable as exc:
-                raise ToolError(exc.message) from None
-        if self._client is None:
-            raise ToolError(f"MCP server {self.server.name!r} is unreachable")
-        return self._client
-
-    async def _call_once(self, client: Any, tool: str, arguments: dict[str, Any], call_id: str) -> str:
+    async def _call_once(self, link: _Link, tool: str, arguments: dict[str, Any], call_id: str) -> str:
         name = self.server.name
         started = time.monotonic()
-        call = asyncio.ensure_future(client.call_tool(tool, arguments, meta={"keel/call_id": call_id}))
+        call = asyncio.ensure_future(link.client.call_tool(tool, arguments, meta={"keel/call_id": call_id}))
+        link.inflight += 1
         try:
             async with asyncio.timeout(self.server.timeout_s):
                 result = await call
@@ -292,25 +341,24 @@ class McpSession:
         except asyncio.CancelledError:
             if _cancelled_here():
                 raise  # (the turn is cancelled: the SDK tells the server)
-            self._lost()
+            self._lost(link)
             raise ToolError(f"MCP server {name!r}: {LOST}") from None
         except Exception as exc:
             if _session_gone(exc):
                 raise _SessionGone from None
             if _connection_failed(exc):
-                self._lost()
+                self._lost(link)
                 raise ToolError(f"MCP server {name!r}: {LOST} ({_why(exc)})") from None
             raise ToolError(f"MCP server {name!r}: {_why(exc)}") from None
+        finally:
+            link.inflight -= 1
+            if link.stale and not link.inflight:
+                link.closing.set()
         log.debug("mcp: %s.%s took %.1f ms", name, tool, (time.monotonic() - started) * 1000)
         text = result_text(result)
         if result.is_error:
             raise ToolError(text or f"{tool} failed")
         return text
-
-    def _lost(self) -> None:
-        """The session is no good any more: let it go (the next call opens another)."""
-        self._client = None
-        self._closing.set()
 
 
 def _cancelled_here() -> bool:
@@ -336,9 +384,10 @@ def _session_gone(exc: BaseException) -> bool:
 
 def _connection_failed(exc: BaseException) -> bool:
     from mcp.shared.exceptions import MCPError
+    from mcp_types.jsonrpc import CONNECTION_CLOSED
 
     if isinstance(exc, MCPError):
-        return "connection closed" in exc.message.lower()
+        return exc.code == CONNECTION_CLOSED or "connection closed" in exc.message.lower()
     return isinstance(exc, OSError | ConnectionError | EOFError) or "connect" in type(exc).__name__.lower()
 
 

@@ -6,8 +6,9 @@ either `{"command", "args", "env"}` (started as a subprocess, spoken to over std
 `"block"` (not these), `"approval"` (`"destructive"`, the default: a tool whose annotations do
 not say `readOnlyHint: true` asks a person first; `"always"`; `"never"`; or an object of tool
 name -> one of those, `"*"` for the rest), `"timeout_s"` (a call's bound, 60 by default).
-`${VAR}` in an `env` or `headers` value is taken from keel's environment, so secrets stay out of
-the file. Anything else is an error that names the server and the key. This module reads and
+`${VAR}` in an `env` or `headers` value (and in `command`, `args` and `url`) is taken from keel's
+environment, so secrets stay out of the file. Anything else is an error that names the server
+and the key (a key of the other transport too). This module reads and
 checks; `harness.tools.mcp` connects.
 """
 
@@ -25,7 +26,10 @@ Approval = Literal["destructive", "always", "never"]
 APPROVALS: frozenset[str] = frozenset({"destructive", "always", "never"})
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,32}$")  # a server's name: the prefix of its tools' names
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
-_KEYS = {"command", "args", "env", "url", "headers", "allow", "block", "approval", "timeout_s", "type"}
+_STDIO_KEYS = {"command", "args", "env"}
+_HTTP_KEYS = {"url", "headers"}
+_KEYS = {*_STDIO_KEYS, *_HTTP_KEYS, "allow", "block", "approval", "timeout_s", "type"}
+_TYPES = {"stdio": "stdio", "http": "http", "streamable-http": "http", "streamableHttp": "http"}
 DEFAULT_TIMEOUT_S = 60.0
 
 
@@ -111,12 +115,24 @@ def _server(name: str, entry: Any, env: Mapping[str, str]) -> McpServer:
     if unknown:
         raise McpConfigError(f"{where}: unknown key {unknown[0]!r} (keys: {', '.join(sorted(_KEYS))})")
     fields = dict(entry)
-    kind = fields.pop("type", None)  # ("stdio" or "http", as some clients write it: checked, not needed)
-    if kind is not None and kind not in ("stdio", "http", "streamable-http", "streamableHttp"):
+    transport = "http" if "url" in fields else "stdio"
+    kind = fields.pop("type", None)  # (as some clients write it: checked against the entry, not needed)
+    if kind is not None and kind not in _TYPES:
         raise McpConfigError(f"{where}: type is stdio or http, not {kind!r}")
+    if kind is not None and _TYPES[kind] != transport:
+        has = "a url" if transport == "http" else "no url"
+        raise McpConfigError(f"{where}: type {kind!r} does not fit an entry with {has}")
+    other = sorted(set(fields) & (_STDIO_KEYS if transport == "http" else _HTTP_KEYS))
+    if other and ("url" in fields) != ("command" in fields):
+        raise McpConfigError(f"{where}: {other[0]!r} is for {'stdio' if transport == 'http' else 'HTTP'} servers")
     for key in ("env", "headers"):
         if key in fields:
             fields[key] = _expanded(where, key, fields[key], env)
+    for key in ("command", "url"):
+        if isinstance(fields.get(key), str):
+            fields[key] = _sub(where, key, fields[key], env)
+    if isinstance(fields.get("args"), list):
+        fields["args"] = [_sub(where, "args", a, env) if isinstance(a, str) else a for a in fields["args"]]
     try:
         return check(msgspec.convert({"name": name, **fields}, McpServer))
     except msgspec.ValidationError as exc:
@@ -126,10 +142,15 @@ def _server(name: str, entry: Any, env: Mapping[str, str]) -> McpServer:
 def _expanded(where: str, key: str, values: Any, env: Mapping[str, str]) -> dict[str, str]:
     if not isinstance(values, dict) or not all(isinstance(v, str) for v in values.values()):
         raise McpConfigError(f"{where}: {key} is an object of strings")
+    return {name: _sub(where, key, value, env) for name, value in values.items()}
+
+
+def _sub(where: str, key: str, value: str, env: Mapping[str, str]) -> str:
+    """`value` with each `${VAR}` taken from `env` (McpConfigError naming one it lacks)."""
 
     def var(m: re.Match[str]) -> str:
         if m.group(1) not in env:
             raise McpConfigError(f"{where}: {key} names ${{{m.group(1)}}}, which keel's environment does not have")
         return env[m.group(1)]
 
-    return {name: _VAR.sub(var, value) for name, value in values.items()}
+    return _VAR.sub(var, value)

@@ -189,3 +189,17 @@ async def test_without_keys_only_loopback_hosts_reach_it(serve: Any) -> None:
         assert (await raw.post("/mcp", json=call, headers=page)).status_code in (400, 403)
     async with mcp_client(live.base, None) as client:
         assert len((await client.list_tools()).tools) == 4
+
+
+async def test_without_the_mcp_extra_mcp_says_so(serve: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from channels.mcp import McpChannel
+
+    def missing(self: McpChannel) -> None:
+        raise ModuleNotFoundError("No module named 'mcp'", name="mcp")
+
+    monkeypatch.setattr(McpChannel, "_build", missing)
+    live = await serve(agent(), api_keys=(KEY,))
+    async with live.client(KEY) as c:
+        r = await c.post("/mcp", json={"jsonrpc": "2.0", "id": 1, "method": "tools/list"})
+        assert r.status_code == 501 and r.json()["error"]["code"] == "mcp_not_installed"
+        assert (await c.post("/v1/sessions")).status_code == 201  # the rest of keel serves on

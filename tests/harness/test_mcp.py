@@ -4,8 +4,10 @@ of keel as any stdio server is)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import signal
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -49,7 +51,11 @@ def test_the_file_mcp_clients_use_is_read_with_secrets_from_the_environment(tmp_
     path = write(
         tmp_path,
         {
-            "files": {"command": "npx", "args": ["-y", "server-files"], "env": {"TOKEN": "${FILES_TOKEN}"}},
+            "files": {
+                "command": "npx",
+                "args": ["-y", "server-files", "--root=${ROOT}"],
+                "env": {"TOKEN": "${FILES_TOKEN}"},
+            },
             "linear": {
                 "type": "http",
                 "url": "https://mcp.example/mcp",
@@ -60,11 +66,11 @@ def test_the_file_mcp_clients_use_is_read_with_secrets_from_the_environment(tmp_
             },
         },
     )
-    files, linear = load_mcp_config(path, {"FILES_TOKEN": "f1", "LINEAR_KEY": "l1"})
+    files, linear = load_mcp_config(path, {"FILES_TOKEN": "f1", "LINEAR_KEY": "l1", "ROOT": "/srv"})
     assert (files.transport, files.command, files.args, dict(files.env)) == (
         "stdio",
         "npx",
-        ("-y", "server-files"),
+        ("-y", "server-files", "--root=/srv"),
         {"TOKEN": "f1"},
     )
     assert (files.approval, files.timeout_s) == ("destructive", 60.0)
@@ -90,6 +96,10 @@ def test_the_file_mcp_clients_use_is_read_with_secrets_from_the_environment(tmp_
         ({"a": {"command": "x", "env": {"K": "${NOT_SET}"}}}, "MCP server 'a': env names ${NOT_SET}"),
         ({"a b": {"command": "x"}}, "MCP server 'a b': a name is 1 to 32"),
         ({"a": {"command": "x", "type": "sse"}}, "MCP server 'a': type is stdio or http"),
+        ({"a": {"command": "x", "type": "http"}}, "MCP server 'a': type 'http' does not fit an entry with no url"),
+        ({"a": {"url": "http://h/mcp", "env": {"K": "v"}}}, "MCP server 'a': 'env' is for stdio servers"),
+        ({"a": {"command": "x", "headers": {"K": "v"}}}, "MCP server 'a': 'headers' is for HTTP servers"),
+        ({"a": {"command": "x", "args": ["${NOT_SET}"]}}, "MCP server 'a': args names ${NOT_SET}"),
     ],
 )
 def test_a_bad_server_entry_is_an_error_naming_the_server(tmp_path: Path, servers: Any, says: str) -> None:
@@ -191,3 +201,74 @@ async def test_a_session_the_server_lost_is_opened_again_and_the_refused_call_se
     finally:
         await made.stop()
         server.kill()
+
+
+async def test_a_stdio_server_that_died_while_idle_is_started_again_before_the_next_call(tmp_path: Path) -> None:
+    log = tmp_path / "calls.jsonl"
+    made = McpTools(Toolbox(), [stdio(log)])
+    await made.start()
+    try:
+        [pid] = [json.loads(line)["pid"] for line in log.read_text().splitlines() if "pid" in line]
+        os.kill(pid, signal.SIGKILL)
+        async with asyncio.timeout(10):  # keel sees its output end
+            while made.sessions[0].connected:  # noqa: ASYNC110 (another process's end: no event of ours)
+                await asyncio.sleep(0.01)
+        lookup = made.current().tools["local__lookup"]
+        assert await lookup.invoke({"key": "k"}, ToolContext("ses_1", "turn_1", "call_1")) == "value of k"
+        assert len([line for line in log.read_text().splitlines() if "pid" in line]) == 2
+    finally:
+        await made.stop()
+
+
+async def test_calls_in_parallel_refused_for_a_lost_session_each_go_again_once(tmp_path: Path) -> None:
+    server = McpTestServer(tmp_path, legacy=True).start()
+    made = McpTools(Toolbox(), [McpServer.http("old", server.url)])
+    try:
+        await made.start()
+        lookup = made.current().tools["old__lookup"]
+        server.kill()
+        server.start()  # every call below carries the session id the server no longer has
+        calls = [lookup.invoke({"key": f"k{n}"}, ToolContext("ses_1", "turn_1", f"call_{n}")) for n in range(4)]
+        assert await asyncio.gather(*calls) == [f"value of k{n}" for n in range(4)]
+        assert sorted(r["call_id"] for r in server.records("lookup")) == [f"call_{n}" for n in range(4)]
+    finally:
+        await made.stop()
+        server.kill()
+
+
+async def test_a_handshake_era_servers_list_changed_notice_changes_the_next_toolbox(tmp_path: Path) -> None:
+    server = McpTestServer(tmp_path, legacy=True).start()
+    changed: list[str] = []
+    made = McpTools(Toolbox(), [McpServer.http("old", server.url)], changed=changed.append)
+    try:
+        await made.start()
+        before = made.current()
+        await before.tools["old__grow"].invoke({}, ToolContext("ses_1", "turn_1", "call_1"))
+        async with asyncio.timeout(10):
+            while not changed:  # noqa: ASYNC110 (the notice comes on the server's stream)
+                await asyncio.sleep(0.01)
+        assert changed == ["old"] and "old__extra" in made.current().tools and "old__extra" not in before.tools
+    finally:
+        await made.stop()
+        server.kill()
+
+
+async def test_calls_during_an_outage_share_one_opening_and_are_bounded_by_timeout_s() -> None:
+    # a "server" that never answers its opening: every call waits for the same attempt, at most timeout_s
+    hangs = McpServer.stdio("hangs", sys.executable, ["-c", "import time; time.sleep(60)"], timeout_s=1)
+    made = McpTools(Toolbox(), [hangs])
+    session = made.sessions[0]
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+
+    async def one(n: int) -> tuple[float, str]:
+        with pytest.raises(ToolError) as err:
+            await session.call("anything", {}, f"call_{n}")
+        return loop.time() - started, err.value.message
+
+    try:
+        ended = await asyncio.gather(*(one(n) for n in range(3)))
+    finally:
+        await made.stop()
+    assert all(message == "MCP server 'hangs': no session within 1 s" for _, message in ended)
+    assert max(at for at, _ in ended) < 5  # together, not one after another (3 x 1 s and more)
