@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install dev run worker test test-cluster lint typecheck bench loadtest smoke slack-demo browser clean
+.PHONY: install dev run worker test test-cluster lint typecheck bench loadtest smoke slack-demo browser js clean
 
 install: $(STAMP)
 
@@ -46,10 +46,24 @@ browser:
 	      echo "could not install chromium: the browser tests will be skipped"; \
 	  else echo "no chromium, and no root apt-get to install it: the browser tests will be skipped"; fi; }
 
+# The pinned Node toolchain in tests/js (ai, @ai-sdk/react, @ag-ui/client, react, esbuild) for the
+# tests that drive keel with the real JavaScript clients: `npm ci` from its package-lock.json when
+# the lock is newer than the stamp; without node/npm, says so (those tests are then skipped).
+JS := tests/js
+JS_STAMP := $(JS)/node_modules/.keel-installed
+
+js:
+	@if ! command -v node >/dev/null 2>&1 || ! command -v npm >/dev/null 2>&1; then \
+	  echo "no node/npm on PATH: tests/js not installed, the JavaScript client tests will be skipped"; \
+	elif [ ! -f $(JS_STAMP) ] || [ $(JS)/package-lock.json -nt $(JS_STAMP) ] || [ $(JS)/package.json -nt $(JS_STAMP) ]; then \
+	  echo "installing tests/js with npm ci (node $$(node --version))"; \
+	  cd $(JS) && npm ci --no-audit --no-fund --loglevel=error && touch node_modules/.keel-installed; \
+	fi
+
 # The suites that run a second time on a real Valkey Cluster (3 primaries, 3 replicas).
 CLUSTER_SUITES := tests/channels/test_http.py tests/harness/test_approvals.py tests/channels/test_websocket.py tests/crash
 
-test: install lint typecheck browser
+test: install lint typecheck browser js
 	$(BIN)/python -m pytest -q
 	KEEL_TEST_REDIS=cluster $(BIN)/python -m pytest -q $(CLUSTER_SUITES)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from starlette.routing import BaseRoute, Route, WebSocketRoute
 from starlette.types import ASGIApp
 
-from channels import http
+from channels import agui, aisdk, http
 from channels.mcp import PATH as MCP_PATH
 from channels.openapi import serve_openapi
 from channels.sse import stream_events
@@ -46,6 +46,9 @@ def routes(
         Route("/v1/sessions/{sid}/clear", http.clear, methods=["POST"]),
         Route("/v1/sessions/{sid}/events", stream_events, methods=["GET"]),
         Route("/v1/sessions/{sid}/tokens", http.mint_token, methods=["POST"]),
+        Route("/v1/chat", aisdk.chat, methods=["POST"]),
+        Route("/v1/chat/{sid}/stream", aisdk.chat_stream, methods=["GET"]),
+        Route("/v1/agui", agui.run, methods=["POST"]),
         Route("/v1/webhooks", subscriptions.create, methods=["POST"]),
         Route("/v1/webhooks", subscriptions.listing, methods=["GET"]),
         Route("/v1/webhooks/{wid}", subscriptions.show, methods=["GET"]),

@@ -14,6 +14,20 @@ import time
 SESSION_ID = re.compile(r"^ses_[0-9a-z]{26}$")
 MESSAGE_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")  # a client's idempotency key (and a request id)
 
+REQUEST_PREFIX = "req_"  # a tool call's approval request id is this and the call's id
+
+
+def request_id(call_id: str) -> str:
+    """A call's approval request id: derived from the committed call id, so it is the same
+    after any crash or retry (I2, I3)."""
+    return REQUEST_PREFIX + call_id
+
+
+def call_of(request_id: str) -> str:
+    """The id of the tool call an approval request asks about."""
+    return request_id.removeprefix(REQUEST_PREFIX)
+
+
 _ALPHABET = "0123456789abcdefghjkmnpqrstvwxyz"  # Crockford base32, lower case
 
 

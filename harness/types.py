@@ -6,7 +6,7 @@ never changes. Everything here is plain data; behaviour lives in the modules tha
 
 from __future__ import annotations
 
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, Protocol
 
 import msgspec
 
@@ -89,6 +89,19 @@ class SessionInfo(msgspec.Struct, frozen=True):
     usage: dict[str, int]
     metadata: dict[str, Any]
     created_at: float
+
+
+class Armed(Protocol):
+    """A reader's subscription to a session's events, opened before what it will read (so it
+    misses no live event meanwhile): opaque, handed back to `Sessions.tail` and `disarm`."""
+
+
+class TurnAt(msgspec.Struct, frozen=True):
+    """A turn in progress (running, paused or queued next) and where a replay of it starts:
+    `after` is just before its first event (its message.received)."""
+
+    turn_id: str
+    after: str
 
 
 class SubmitResult(msgspec.Struct, frozen=True):

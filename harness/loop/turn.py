@@ -29,7 +29,7 @@ from harness.events import (
     TurnFailedData,
     pending,
 )
-from harness.ids import new_id
+from harness.ids import new_id, request_id
 from harness.loop.agent import Agent
 from harness.loop.compaction import Compactor, split
 from harness.loop.modelcall import Calls, Interrupted, ModelCall
@@ -51,7 +51,7 @@ from harness.store import (
 )
 from harness.telemetry.metrics import HarnessStats
 from harness.tools import ToolContext
-from harness.tools.calls import denial, needs_approval, request_id, result_item, run_call
+from harness.tools.calls import denial, needs_approval, result_item, run_call
 from harness.tools.toolbox import Toolbox
 from harness.types import Answer, ApprovalRequest, Item, ToolCall, Usage
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, cast
 
 from harness import failpoints
 from harness.errors import Conflict, InvalidInput, NotFound
@@ -30,16 +30,19 @@ from harness.store import (
     Responded,
     Store,
     Submitted,
+    Watch,
     streamids,
 )
 from harness.types import (
     Answer,
+    Armed,
     EntryKind,
     InboxMessage,
     Item,
     PageContext,
     SessionInfo,
     SubmitResult,
+    TurnAt,
     TurnOutcome,
     TurnResult,
 )
@@ -256,6 +259,34 @@ class Sessions:
             created_at=meta.created_at,
         )
 
+    async def turn_in_progress(self, sid: str, owner: str) -> TurnAt | None:
+        """The turn running, paused for answers, or queued next, and where a replay of it from
+        its first event starts; None when the session has no message's turn in progress."""
+        check_session_id(sid)
+        meta = await self.store.meta(sid, owner)
+        head = await self.store.head(sid)  # (the turn in progress while meta.turn names it)
+        turn = meta.turn or (head.turn_id if head is not None and head.kind == "message" else "")
+        after = await self.turn_start(sid, owner, turn, checked=True) if turn else None
+        return TurnAt(turn, after) if after is not None else None
+
+    async def turn_start(self, sid: str, owner: str, turn_id: str, *, checked: bool = False) -> str | None:
+        """Where a replay of turn `turn_id` from its first event starts; None if the session's
+        outbox does not hold it (`checked`: the owner was)."""
+        if not checked:
+            await self.check_owner(sid, owner)
+        begins = await self.store.outbox.turn_begins(sid, turn_id)
+        return streamids.before(begins) if begins is not None else None
+
+    async def turn_asking(self, sid: str, owner: str, request_id: str) -> str | None:
+        """The id of the turn that made approval request `request_id`, if the outbox holds it."""
+        await self.check_owner(sid, owner)
+        return await self.store.outbox.turn_asking(sid, request_id)
+
+    @staticmethod
+    def before(event_id: str) -> str:
+        """Where a replay that begins with event `event_id` starts."""
+        return streamids.before(event_id)
+
     async def pending(self, sid: str, owner: str) -> list[str]:
         """The ids of the approval requests the session waits for, in the order they were made."""
         check_session_id(sid)
@@ -280,12 +311,27 @@ class Sessions:
         return streamids.newest(*(streamids.check_event_id(eid) for eid in given if eid))
 
     def tail(
-        self, sid: str, after: str, *, heartbeat: float, gate: asyncio.Semaphore | None = None
+        self,
+        sid: str,
+        after: str,
+        *,
+        heartbeat: float,
+        gate: asyncio.Semaphore | None = None,
+        armed: Armed | None = None,
     ) -> AsyncIterator[StoredEvent | LiveEvent | None]:
         """Committed events after `after`, then new ones as they come, with live events
         (`Outbox.tail` itself: no generator layer of its own on every event's path). The caller
-        checks ownership first."""
-        return self.store.outbox.tail(sid, after, heartbeat=heartbeat, gate=gate)
+        checks ownership first. `armed`: its subscription, opened before (`arm`)."""
+        watch = cast(Watch, armed) if armed is not None else None
+        return self.store.outbox.tail(sid, after, heartbeat=heartbeat, gate=gate, opened=watch)
+
+    def arm(self, sid: str) -> Armed:
+        """A subscription to the session's events (live ones too) before the command whose
+        events a reader will follow: `tail(armed=)` takes it; `disarm` it however that ends."""
+        return self.store.hub.open_watch(sid)
+
+    def disarm(self, sid: str, armed: Armed) -> None:
+        self.store.hub.close_watch(sid, cast(Watch, armed))
 
     # ---- waiting for a turn ----------------------------------------------------------------
 

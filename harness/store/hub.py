@@ -275,22 +275,31 @@ class EventHub:
         caller's read, before or after the subscription, wakes it. Commits in this process wake
         every watch of the session (a `settled_only` one: only those that settle a turn).
         Without `live` (or with `settled_only`) it takes no live events."""
-        w = Watch(settled_only=settled_only, live=live)
-        self._watches.setdefault(sid, set()).add(w)
+        w = self.open_watch(sid, settled_only=settled_only, live=live)
         try:
-            if self._bus is not None:
-                self._bus.follow(sid)
             yield w
         finally:
-            if self._bus is not None:
-                self._bus.unfollow(sid)
-            ws = self._watches.get(sid)
-            if ws is not None:
-                ws.discard(w)
-                if not ws:
-                    del self._watches[sid]
-                    self._last.pop(sid, None)
-                    self._passed.discard(sid)
+            self.close_watch(sid, w)
+
+    def open_watch(self, sid: str, *, settled_only: bool = False, live: bool = True) -> Watch:
+        """`watch` without its block: the caller closes it (`close_watch`), however it ends."""
+        w = Watch(settled_only=settled_only, live=live)
+        self._watches.setdefault(sid, set()).add(w)
+        if self._bus is not None:
+            self._bus.follow(sid)
+        return w
+
+    def close_watch(self, sid: str, w: Watch) -> None:
+        ws = self._watches.get(sid)
+        if ws is None or w not in ws:
+            return  # (closed already)
+        if self._bus is not None:
+            self._bus.unfollow(sid)
+        ws.discard(w)
+        if not ws:
+            del self._watches[sid]
+            self._last.pop(sid, None)
+            self._passed.discard(sid)
 
     def start(self) -> None:
         if self._bus is not None:

@@ -10,10 +10,21 @@ the session gone (the notice lost, or the session expired)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
-from harness.events import LiveEvent, MessageCompleted, StoredEvent, envelope, session_deleted
+import msgspec
+
+from harness.events import (
+    InputRequested,
+    LiveEvent,
+    MessageCompleted,
+    MessageReceived,
+    StoredEvent,
+    envelope,
+    session_deleted,
+)
 from harness.store import streamids
 from harness.store.client import Client, translated
 from harness.store.clusterwire import AnyWire
@@ -21,7 +32,9 @@ from harness.store.hub import EventHub, Watch
 from harness.store.keys import SessionKeys
 
 BATCH = 200  # events read from the stream at once
+SCAN_MAX = 20_000  # events looked through, newest first, for where a turn began
 COMPLETED_KEPT = 32  # items a reader remembers as completed, to drop their late live events
+_enc = msgspec.json.Encoder()
 
 
 class Outbox:
@@ -47,6 +60,41 @@ class Outbox:
         return found[0] if found and found[0].id == event_id else None
 
     @translated
+    async def find_back(
+        self, sid: str, etype: str, found: Callable[[bytes], bool], *, within: int = SCAN_MAX
+    ) -> StoredEvent | None:
+        """The newest `etype` event whose stored body `found` accepts, looked for from the
+        newest event back, at most `within` events; None if there is none."""
+        key, end, wanted = SessionKeys(sid).outbox, "+", etype.encode()
+        looked = 0
+        while looked < within:
+            (raw,) = await self.wire.call([("XREVRANGE", key, end, "-", "COUNT", BATCH)])
+            if isinstance(raw, Exception):
+                raise raw
+            for eid, f in raw:
+                fields = dict(zip(f[::2], f[1::2], strict=True))
+                if fields[b"t"] == wanted and found(fields[b"b"]):
+                    return envelope(sid, eid, fields)
+            if len(raw) < BATCH:
+                return None
+            looked += len(raw)
+            end = "(" + raw[-1][0].decode()
+        return None
+
+    async def turn_begins(self, sid: str, turn_id: str) -> str | None:
+        """The stream id of `turn_id`'s message.received: the first event of a turn, written
+        once, however often the turn begins again after a crash."""
+        head = b'"turn_id":' + _enc.encode(turn_id) + b","
+        event = await self.find_back(sid, MessageReceived.TYPE, lambda b: b.startswith(head))
+        return event.id if event is not None else None
+
+    async def turn_asking(self, sid: str, request_id: str) -> str | None:
+        """The turn that made approval request `request_id`."""
+        needle = b'"request_id":' + _enc.encode(request_id) + b","
+        event = await self.find_back(sid, InputRequested.TYPE, lambda b: needle in b)
+        return event.decoded().turn_id if event is not None else None
+
+    @translated
     async def exists(self, sid: str) -> bool:
         """Whether the session is there (a reader's look: no owner check)."""
         return bool(await self.redis.exists(SessionKeys(sid).meta))
@@ -62,16 +110,25 @@ class Outbox:
         return batch, from_stream and len(batch) == BATCH
 
     async def tail(
-        self, sid: str, after: str, *, heartbeat: float, gate: asyncio.Semaphore | None = None, deltas: bool = True
+        self,
+        sid: str,
+        after: str,
+        *,
+        heartbeat: float,
+        gate: asyncio.Semaphore | None = None,
+        deltas: bool = True,
+        opened: Watch | None = None,
     ) -> AsyncIterator[StoredEvent | LiveEvent | None]:
         """Events after `after`, then live ones, forever, with the session's live events
         (`message.delta`) as they come, except those of an item whose message.completed this
         reader has had (none without `deltas`). Yields None after `heartbeat` seconds without an
         event (for keep-alives). Ends with a `session.deleted` live event when the session ends.
         The caller checks ownership first. `gate` bounds how many readers do their
-        first (replay) read at once."""
+        first (replay) read at once. `opened`: a watch the caller opened before (so that it missed
+        no live event since) and closes."""
         completed: deque[str] = deque(maxlen=COMPLETED_KEPT)
-        async with self.hub.watch(sid, live=deltas) as watch:
+        watching = contextlib.nullcontext(opened) if opened is not None else self.hub.watch(sid, live=deltas)
+        async with watching as watch:
             read = True
             if gate is not None:
                 async with gate:

@@ -95,6 +95,7 @@ from harness.types import (
 log = logging.getLogger("keel")
 R = TypeVar("R")
 _enc = msgspec.json.Encoder()
+_inbox = msgspec.json.Decoder(InboxMessage)
 _metadata = msgspec.json.Decoder(dict[str, Any])
 KNOWN_MAX = 100_000
 DELETE_TRIES = 5  # a delete that finds a relay begun on another destination reads `relays` again
@@ -250,6 +251,12 @@ class Store:
     @translated
     async def queued(self, sid: str) -> int:
         return int(await self.redis.llen(SessionKeys(sid).inbox))
+
+    @translated
+    async def head(self, sid: str) -> InboxMessage | None:
+        """The inbox's first entry: the turn in progress, or the next one to begin."""
+        raw = await self.redis.lindex(SessionKeys(sid).inbox, 0)
+        return _inbox.decode(raw) if raw is not None else None
 
     @translated
     async def submit(

@@ -13,6 +13,7 @@ from typing import Any
 import msgspec
 
 from harness.errors import ToolError
+from harness.ids import request_id
 from harness.tools import ToolContext
 from harness.tools.toolbox import ToolPort
 from harness.types import Answer, Item, ToolCall
@@ -20,12 +21,6 @@ from harness.types import Answer, Item, ToolCall
 log = logging.getLogger("keel.turn")
 _enc = msgspec.json.Encoder()
 RESULT_MAX_CHARS = 100_000  # of one call's result: the rest is cut (a result is history, every turn's)
-
-
-def request_id(call_id: str) -> str:
-    """A call's approval request id: derived from the committed call id, so it is the same
-    after any crash or retry (I2, I3)."""
-    return f"req_{call_id}"
 
 
 def denial(answers: Mapping[str, Answer | None], call: ToolCall) -> Answer | None:

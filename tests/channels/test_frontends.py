@@ -1,0 +1,240 @@
+"""The frontend protocols over HTTP, read as a client of each would: the AI SDK's UI message
+stream (`/v1/chat`) and AG-UI (`/v1/agui`). The real JavaScript clients drive the same routes
+in tests/js; these pin keel's side: what is streamed, what is recorded, what is refused."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.frontend_agent import frontend_agent, text_of
+
+
+async def chunks_of(
+    c: httpx.AsyncClient, method: str, url: str, body: Any = None, first: asyncio.Event | None = None
+) -> list[dict[str, Any]]:
+    """The JSON of every `data:` line until the stream ends (`[DONE]` is kept as a string);
+    `first` is set when the first one came."""
+    out: list[Any] = []
+    async with c.stream(method, url, json=body) as resp:
+        assert resp.status_code == 200, await resp.aread()
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        async for line in resp.aiter_lines():
+            if line.startswith("data: "):
+                raw = line[6:]
+                out.append(raw if raw == "[DONE]" else json.loads(raw))
+                if first is not None:
+                    first.set()
+    return out
+
+
+def user(text: str, mid: str) -> dict[str, Any]:
+    return {"id": mid, "role": "user", "parts": [{"type": "text", "text": text}]}
+
+
+@pytest.fixture
+async def chat(serve: Any) -> Any:
+    agent, runs, gates = frontend_agent()
+    live = await serve(agent)
+    c = live.client()
+    sid = (await c.post("/v1/sessions")).json()["session_id"]
+    yield c, sid, runs, gates
+    await c.aclose()
+
+
+async def test_ui_stream_of_a_text_turn(chat: Any) -> None:
+    c, sid, _, _ = chat
+    body = {"id": sid, "messages": [user("hello there", "m1")], "trigger": "submit-message"}
+    got = await chunks_of(c, "POST", "/v1/chat", body)
+    assert got[-1] == "[DONE]"
+    types = [g["type"] for g in got[:-1]]
+    assert types[0] == "start" and types[1] == "start-step" and types[-2:] == ["finish-step", "finish"]
+    assert got[-2]["finishReason"] == "stop"
+    assert text_of(got[:-1]) == "Echo: hello there"
+    assert types.count("text-start") == 1 and types.count("text-end") == 1
+    # the reply is history; the same message id again is the same turn, replayed whole
+    again = await chunks_of(c, "POST", "/v1/chat", body)
+    assert text_of(again[:-1]) == "Echo: hello there" and again[0]["messageId"] == got[0]["messageId"]
+    history = (await c.get(f"/v1/sessions/{sid}/history")).json()["items"]
+    assert [i["role"] for i in history] == ["user", "assistant"]
+
+
+async def test_ui_stream_of_a_tool_turn(chat: Any) -> None:
+    c, sid, runs, _ = chat
+    got = await chunks_of(c, "POST", "/v1/chat", {"id": sid, "messages": [user("weather Oslo", "m1")]})
+    tool_in = next(g for g in got if g != "[DONE]" and g["type"] == "tool-input-available")
+    assert tool_in["toolName"] == "weather" and tool_in["input"] == {"city": "Oslo"}
+    tool_out = next(g for g in got if g != "[DONE]" and g["type"] == "tool-output-available")
+    assert tool_out == {"type": "tool-output-available", "toolCallId": tool_in["toolCallId"], "output": "sunny in Oslo"}
+    assert text_of(got[:-1]) == "Looking it up.Done: sunny in Oslo"
+    assert [g["type"] for g in got[:-1]].count("start-step") == 2
+    assert list(runs.values()) == [1]
+
+
+async def test_ui_approval_round_trip_runs_the_tool_once(chat: Any) -> None:
+    c, sid, runs, _ = chat
+    first = await chunks_of(c, "POST", "/v1/chat", {"id": sid, "messages": [user("pay 30", "m1")]})
+    asked = next(g for g in first if g != "[DONE]" and g["type"] == "tool-approval-request")
+    assert first[-2] == {"type": "finish", "finishReason": "tool-calls"} and not runs
+    message_id = first[0]["messageId"]
+    answered = {
+        "id": message_id,
+        "role": "assistant",
+        "parts": [
+            {"type": "step-start"},
+            {"type": "text", "text": "I will pay.", "state": "done"},
+            {
+                "type": "tool-pay",
+                "toolCallId": asked["toolCallId"],
+                "state": "approval-responded",
+                "input": {"amount": 30},
+                "approval": {"id": asked["approvalId"], "approved": True},
+            },
+        ],
+    }
+    body = {"id": sid, "messages": [user("pay 30", "m1"), answered], "trigger": "submit-message"}
+    rest = await chunks_of(c, "POST", "/v1/chat", body)
+    assert rest[0] == {"type": "start", "messageId": message_id}
+    types = [g["type"] for g in rest[:-1]]
+    assert "tool-input-available" not in types and "tool-approval-request" not in types  # sent by the first stream
+    out = next(g for g in rest[:-1] if g["type"] == "tool-output-available")
+    assert out["output"] == "paid 30" and text_of(rest[:-1]) == "Done: paid 30"
+    assert list(runs.values()) == [1]
+    # the same answer again changes nothing; a different one is refused
+    again = await chunks_of(c, "POST", "/v1/chat", body)
+    assert text_of(again[:-1]) == "Done: paid 30" and list(runs.values()) == [1]
+    answered["parts"][2]["approval"]["approved"] = False
+    refused = await c.post("/v1/chat", json=body)
+    assert refused.status_code == 409 and refused.json()["error"]["code"] == "already_answered"
+
+
+async def test_ui_denied_call_streams_denied(chat: Any) -> None:
+    c, sid, runs, _ = chat
+    first = await chunks_of(c, "POST", "/v1/chat", {"id": sid, "messages": [user("pay 99", "m1")]})
+    asked = next(g for g in first if g != "[DONE]" and g["type"] == "tool-approval-request")
+    part = {
+        "type": "tool-pay",
+        "toolCallId": asked["toolCallId"],
+        "state": "approval-responded",
+        "approval": {"id": asked["approvalId"], "approved": False, "reason": "too much"},
+    }
+    message = {"id": first[0]["messageId"], "role": "assistant", "parts": [part]}
+    rest = await chunks_of(c, "POST", "/v1/chat", {"id": sid, "messages": [message]})
+    assert {"type": "tool-output-denied", "toolCallId": asked["toolCallId"]} in rest
+    assert not any(g != "[DONE]" and g["type"] == "tool-output-error" for g in rest)
+    assert not runs
+
+
+async def test_ui_resume_streams_the_turn_in_progress_then_204(chat: Any) -> None:
+    c, sid, _, gates = chat
+    assert (await c.get(f"/v1/chat/{sid}/stream")).status_code == 204
+    started = asyncio.create_task(chunks_of(c, "POST", "/v1/chat", {"id": sid, "messages": [user("slow", "m1")]}))
+    await asyncio.wait_for(gates.slow_began.wait(), 5)
+    started.cancel()  # the client goes away: the turn goes on
+    joined = asyncio.Event()
+    resumed = asyncio.create_task(chunks_of(c, "GET", f"/v1/chat/{sid}/stream", first=joined))
+    await asyncio.wait_for(joined.wait(), 5)
+    gates.slow.set()
+    got = await asyncio.wait_for(resumed, 10)
+    assert got[0]["type"] == "start" and got[-1] == "[DONE]" and got[-2]["finishReason"] == "stop"
+    assert text_of(got[:-1]) == "That took a while, but here it is: the slow reply."
+    assert (await c.get(f"/v1/chat/{sid}/stream")).status_code == 204
+
+
+async def test_ui_failed_turn_is_an_error_chunk(chat: Any) -> None:
+    c, sid, _, _ = chat
+    got = await chunks_of(c, "POST", "/v1/chat", {"id": sid, "messages": [user("fail", "m1")]})
+    err = next(g for g in got if g != "[DONE]" and g["type"] == "error")
+    assert "the model is down" in err["errorText"]
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "code"),
+    [
+        ({"id": "ses_nope", "messages": [user("hi", "m1")]}, 404, "session_not_found"),
+        ({"messages": [user("hi", "m1")]}, 400, "invalid_request"),
+        ({"id": "SID", "messages": []}, 400, "invalid_request"),
+        ({"id": "SID", "messages": [user("hi", "m1")], "trigger": "regenerate-message"}, 400, "unsupported_trigger"),
+        ({"id": "SID", "messages": [user("  ", "m1")]}, 400, "invalid_request"),
+        ({"id": "SID", "messages": [user("hi", "bad id!")]}, 400, "invalid_message_id"),
+        ({"id": "SID", "messages": [{"id": "a", "role": "assistant", "parts": []}]}, 400, "nothing_to_answer"),
+    ],
+)
+async def test_ui_bad_requests_change_nothing(chat: Any, body: dict[str, Any], status: int, code: str) -> None:
+    c, sid, _, _ = chat
+    if body.get("id") == "SID":
+        body = {**body, "id": sid}
+    resp = await c.post("/v1/chat", json=body)
+    assert resp.status_code == status and resp.json()["error"]["code"] == code
+    assert (await c.get(f"/v1/sessions/{sid}/history")).json()["items"] == []
+
+
+def agui_events(chunks: list[Any]) -> list[str]:
+    return [e["type"] for e in chunks]
+
+
+async def test_agui_text_tools_interrupt_and_resume(chat: Any) -> None:
+    c, sid, runs, _ = chat
+
+    def run(run_id: str, messages: list[Any], **extra: Any) -> dict[str, Any]:
+        return {
+            "threadId": sid,
+            "runId": run_id,
+            "messages": messages,
+            "state": {},
+            "tools": [],
+            "context": [],
+            **extra,
+        }
+
+    hello = {"id": "u1", "role": "user", "content": "weather Rome"}
+    got = await chunks_of(c, "POST", "/v1/agui", run("r1", [hello]))
+    types = agui_events(got)
+    assert types[0] == "RUN_STARTED" and types[-1] == "RUN_FINISHED"
+    assert got[-1]["outcome"] == {"type": "success"}
+    assert "TOOL_CALL_START" in types and "TOOL_CALL_RESULT" in types
+    result = next(e for e in got if e["type"] == "TOOL_CALL_RESULT")
+    assert result["content"] == "sunny in Rome"
+    text = "".join(e["delta"] for e in got if e["type"] == "TEXT_MESSAGE_CONTENT")
+    assert text == "Looking it up.Done: sunny in Rome"
+    assert all(isinstance(e["timestamp"], int) for e in got)
+
+    pay = {"id": "u2", "role": "user", "content": "pay 7"}
+    asked = await chunks_of(c, "POST", "/v1/agui", run("r2", [hello, pay]))
+    outcome = asked[-1]["outcome"]
+    assert outcome["type"] == "interrupt" and outcome["interrupts"][0]["reason"] == "tool_approval"
+    interrupt = outcome["interrupts"][0]
+    assert not runs or list(runs.values()) == [1]  # (weather ran once)
+    resume = [{"interruptId": interrupt["id"], "status": "resolved", "payload": {"approved": True}}]
+    rest = await chunks_of(c, "POST", "/v1/agui", run("r3", [hello, pay], resume=resume))
+    assert agui_events(rest)[0] == "RUN_STARTED" and rest[-1]["outcome"] == {"type": "success"}
+    assert "TOOL_CALL_START" not in agui_events(rest)  # the interrupted run sent it
+    assert next(e for e in rest if e["type"] == "TOOL_CALL_RESULT")["content"] == "paid 7"
+    assert sorted(runs.values()) == [1, 1]
+    again = await chunks_of(c, "POST", "/v1/agui", run("r4", [hello, pay], resume=resume))
+    assert next(e for e in again if e["type"] == "TOOL_CALL_RESULT")["content"] == "paid 7"
+    assert sorted(runs.values()) == [1, 1]
+    cancelled = [{"interruptId": interrupt["id"], "status": "cancelled"}]
+    refused = await c.post("/v1/agui", json=run("r5", [hello, pay], resume=cancelled))
+    assert refused.status_code == 409
+
+
+async def test_agui_failed_turn_and_bad_input(chat: Any) -> None:
+    c, sid, _, _ = chat
+    got = await chunks_of(
+        c,
+        "POST",
+        "/v1/agui",
+        {"threadId": sid, "runId": "r1", "messages": [{"id": "u", "role": "user", "content": "fail"}]},
+    )
+    assert got[-1]["type"] == "RUN_ERROR" and got[-1]["message"] == "the model is down"
+    bad = await c.post("/v1/agui", json={"threadId": sid, "runId": "r2", "messages": []})
+    assert bad.status_code == 400
+    other = await c.post(
+        "/v1/agui", json={"threadId": "ses_x", "runId": "r", "messages": [{"id": "u", "role": "user"}]}
+    )
+    assert other.status_code in (400, 404)
