@@ -16,7 +16,12 @@ latency of each delta as its receive time minus that stamp (one machine, one CLO
 The provider sends the 100 deltas in a burst: the last ones also wait behind the earlier ones,
 so p99 shows the server's throughput on a burst as much as its per-delta path.
 
-For each of keel-SSE, keel-websocket, bare-SSE and bare-websocket, one client at a time runs
+The frontend protocols run the same turns: keel-aisdk POSTs the message to /v1/chat and reads
+the AI SDK UI message stream it answers (to `[DONE]`), keel-agui POSTs a RunAgentInput to
+/v1/agui and reads the AG-UI events (to RUN_FINISHED); their figures are shown beside keel's
+own SSE (what each adapter adds) and the bare SSE.
+
+For each of keel-SSE, keel-websocket, bare-SSE, bare-websocket, keel-aisdk and keel-agui, one client at a time runs
 --warmup turns, then --turns timed turns, each on a connection of its own. A keel turn creates
 a session, opens its event stream (SSE or websocket), waits for `session.created` (the reader
 is in place), POSTs the message and reads until `turn.completed`. A bare turn opens GET /stream,
@@ -265,17 +270,22 @@ class SseReader:
         self._ready: deque[tuple[int, str, bytes]] = deque()
 
     @classmethod
-    async def open(cls, port: int, path: str) -> tuple[SseReader, asyncio.StreamWriter]:
+    async def open(cls, port: int, path: str, body: bytes | None = None) -> tuple[SseReader, asyncio.StreamWriter]:
+        """GET `path`, or POST `body` (JSON) to it, and read the event stream it answers."""
         reader, writer = await asyncio.open_connection(HOST, port)
         sock = writer.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        writer.write(f"GET {path} HTTP/1.1\r\nHost: {HOST}:{port}\r\nAccept: text/event-stream\r\n\r\n".encode())
+        method = "GET" if body is None else "POST"
+        head = f"{method} {path} HTTP/1.1\r\nHost: {HOST}:{port}\r\nAccept: text/event-stream\r\n"
+        if body is not None:
+            head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+        writer.write(head.encode() + b"\r\n" + (body or b""))
         await writer.drain()
         raw = await reader.readuntil(b"\r\n\r\n")
         if raw[9:12] != b"200":
             writer.close()
-            raise BenchError(f"GET {path} -> {raw[:200]!r}")
+            raise BenchError(f"{path} -> {raw[:200]!r}")
         chunked = b"transfer-encoding: chunked" in raw.lower()
         return cls(reader, chunked), writer
 
@@ -372,6 +382,42 @@ async def keel_ws_turn(port: int, api: Conn) -> Frames:
         await ws.close()
 
 
+async def adapter_turn(
+    port: int, api: Conn, path: str, body: Callable[[str], bytes], last: Callable[[bytes], bool]
+) -> Frames:
+    """A turn through a frontend protocol: its POST is the message and answers the stream."""
+    sid = await keel_session(api)
+    sse, writer = await SseReader.open(port, path, body(sid))
+    out = Frames()
+    try:
+        while True:
+            got = await sse.next()
+            out.got.append(got)
+            if last(got[2]):
+                return out
+    finally:
+        await close_writer(writer)
+
+
+def _chat_body(sid: str) -> bytes:
+    user = {"id": "m1", "role": "user", "parts": [{"type": "text", "text": "hello"}]}
+    return msgspec.json.encode({"id": sid, "messages": [user], "trigger": "submit-message"})
+
+
+def _agui_body(sid: str) -> bytes:
+    user = {"id": "m1", "role": "user", "content": "hello"}
+    return msgspec.json.encode({"threadId": sid, "runId": "r1", "messages": [user], "state": {}, "tools": []})
+
+
+async def aisdk_turn(port: int, api: Conn) -> Frames:
+    return await adapter_turn(port, api, "/v1/chat", _chat_body, lambda raw: raw == b"[DONE]")
+
+
+async def agui_turn(port: int, api: Conn) -> Frames:
+    ends = (b'{"type":"RUN_FINISHED"', b'{"type":"RUN_ERROR"')
+    return await adapter_turn(port, api, "/v1/agui", _agui_body, lambda raw: raw.startswith(ends))
+
+
 async def bare_sse_turn(port: int, api: Conn) -> Frames:
     sse, writer = await SseReader.open(port, "/stream")
     out = Frames()
@@ -441,6 +487,40 @@ def keel_deltas(frames: Frames, tally: Tally) -> list[tuple[int, str]]:
         if text.get(item) != joined:
             tally.problem(f"item {item}: the deltas joined ({len(joined)} chars) are not its message.completed text")
     return [(t, d.delta) for t, d in deltas]
+
+
+class Chunk(msgspec.Struct):
+    type: str
+    delta: str = ""
+    finishReason: str = ""  # (the protocol's name)
+
+
+chunk_dec = msgspec.json.Decoder(Chunk)
+
+
+def _joined(deltas: list[tuple[int, str]], tally: Tally) -> None:
+    if sum(len(d) for _, d in deltas) != DELTAS * DELTA_CHARS:
+        tally.problem(f"the deltas make {sum(len(d) for _, d in deltas)} characters, not {DELTAS * DELTA_CHARS}")
+
+
+def aisdk_deltas(frames: Frames, tally: Tally) -> list[tuple[int, str]]:
+    """A UI message stream's text deltas, checked: it finished with `stop`, then [DONE]."""
+    chunks = [(t, chunk_dec.decode(raw)) for t, _, raw in frames.got if raw != b"[DONE]"]
+    if not chunks or chunks[-1][1].type != "finish" or chunks[-1][1].finishReason != "stop":
+        tally.problem(f"the stream did not finish with stop: {frames.got[-2:]!r}")
+    deltas = [(t, c.delta) for t, c in chunks if c.type == "text-delta"]
+    _joined(deltas, tally)
+    return deltas
+
+
+def agui_deltas(frames: Frames, tally: Tally) -> list[tuple[int, str]]:
+    """An AG-UI run's TEXT_MESSAGE_CONTENT deltas, checked: it ended with RUN_FINISHED."""
+    events = [(t, chunk_dec.decode(raw)) for t, _, raw in frames.got]
+    if not events or events[-1][1].type != "RUN_FINISHED":
+        tally.problem(f"the run did not finish: {frames.got[-1:]!r}")
+    deltas = [(t, e.delta) for t, e in events if e.type == "TEXT_MESSAGE_CONTENT"]
+    _joined(deltas, tally)
+    return deltas
 
 
 def bare_deltas(frames: Frames, tally: Tally) -> list[tuple[int, str]]:
@@ -613,6 +693,20 @@ def report(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> dict
             f" p99 x{ratios[f'{channel}_p99_ms']:.2f} ({added[f'{channel}_p99_ms']:+.3f} ms),"
             f" CPU/delta x{ratios[f'{channel}_server_cpu_us_per_delta']:.2f}"
         )
+    beside_keel: dict[str, float] = {}
+    ks, bs = results["keel-sse"], results["bare-sse"]
+    for adapter, label in (("aisdk", "AI SDK UI stream"), ("agui", "AG-UI")):
+        a = results[f"keel-{adapter}"]
+        for key in ("p50_ms", "p99_ms", "server_cpu_us_per_delta"):
+            beside_keel[f"{adapter}_{key}"] = a[key] - ks[key]
+            ratios[f"{adapter}_{key}"] = a[key] / bs[key] if bs[key] else float("nan")
+        print(
+            f"{label} beside keel's SSE: p50 {beside_keel[f'{adapter}_p50_ms']:+.3f} ms,"
+            f" p99 {beside_keel[f'{adapter}_p99_ms']:+.3f} ms,"
+            f" CPU/delta {beside_keel[f'{adapter}_server_cpu_us_per_delta']:+.1f} us"
+            f" (x{a['server_cpu_us_per_delta'] / ks['server_cpu_us_per_delta']:.2f});"
+            f" over bare SSE: p50 x{ratios[f'{adapter}_p50_ms']:.2f}"
+        )
     for name, r in results.items():
         bad = r["deltas_lost"] + r["deltas_duplicated"] + r["deltas_out_of_order"]
         if bad or r["problems"]:
@@ -625,6 +719,7 @@ def report(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> dict
         "results": results,
         "ratio_keel_over_bare": ratios,
         "added_ms_keel_minus_bare": added,
+        "adapter_minus_keel_sse": beside_keel,
     }
     print("RESULT " + json.dumps(out, default=float), flush=True)
     return out
@@ -677,6 +772,8 @@ def run(args: argparse.Namespace) -> int:
             Variant("keel", "ws", keel, keel_ws_turn, keel_deltas),
             Variant("bare", "sse", bare, bare_sse_turn, bare_deltas),
             Variant("bare", "ws", bare, bare_ws_turn, bare_deltas),
+            Variant("keel", "aisdk", keel, aisdk_turn, aisdk_deltas),
+            Variant("keel", "agui", keel, agui_turn, agui_deltas),
         ]
         with asyncio.Runner(loop_factory=new_loop) as runner:
             results = runner.run(measure(servers, variants, valkey.pid, args))

@@ -154,6 +154,25 @@ async function main() {
     await resuming;
     await reloaded.until(settled, "the resumed reply");
     finish(reloaded);
+  } else if (scenario === "crash-resume") {
+    // keel dies mid-reply (the test kills it): the stream breaks; the page reloads and resumes
+    // once the test has keel back; the test lets the re-run reply go on after the resume began
+    const sending = chat.sendMessage({ text: "hello" });
+    const partial = (c) => textOf(c.messages.at(-1) ?? { parts: [] }).length > 0 && c.messages.at(-1).role === "assistant";
+    await chat.until(partial, "some of the reply", 20000);
+    log("partial", { text: textOf(chat.messages.at(-1)) });
+    await sending.catch(() => {});
+    await chat.until(settled, "the stream to break", 20000);
+    log("dropped", { status: chat.status, text: textOf(chat.messages.at(-1)) });
+    await nextLine(); // keel is back
+    const reloaded = newChat();
+    const resuming = reloaded.resumeStream();
+    await reloaded.until((c) => c.messages.at(-1)?.role === "assistant", "the resumed stream", 20000);
+    log("resumed");
+    await nextLine(); // the re-run reply may go on
+    await resuming;
+    await reloaded.until(settled, "the resumed reply", 20000);
+    finish(reloaded);
   } else if (scenario === "resume") {
     // a page (re)loaded while a turn runs, or runs no more (204: nothing to resume)
     const resuming = chat.resumeStream();
