@@ -17,6 +17,7 @@ from app.metrics import PATH as METRICS_PATH
 from app.metrics import Metrics, Sources
 from app.settings import Settings
 from channels.auth import ApiKeyAuth
+from channels.cors import FrontendCors
 from channels.drain import Drain, DrainGate
 from channels.errors import http_error_handler, keel_error_handler
 from channels.limits import Occupancy
@@ -148,6 +149,7 @@ def create_app(
         middleware=[
             Middleware(RequestIds),
             Middleware(DrainGate, drain=drain),
+            Middleware(FrontendCors, origins=settings.allowed_origins),  # (a preflight carries no key)
             Middleware(
                 ApiKeyAuth,
                 keys=settings.api_keys,

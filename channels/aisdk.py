@@ -24,7 +24,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from channels.errors import ChannelError
-from channels.http import NOT_FOUND, QUEUED, decode, harness_of, owner_of, read_body
+from channels.http import NOT_FOUND, QUEUED, decode, read_body
 from channels.spec import Returns, operation
 from channels.turnstream import Answer, Followed, TurnReader
 from channels.types import ContextValue
@@ -306,11 +306,9 @@ async def _continue(request: Request, sid: str, message: UiMessage) -> Response:
 async def chat_stream(request: Request) -> Response:
     """The turn running, waiting for approval, or queued next, from its first chunk, then
     live. An item that was streaming comes whole when it completes (deltas are not stored)."""
-    sid = request.path_params["sid"]
-    harness, owner = harness_of(request), owner_of(request)
-    at = await harness.sessions.turn_in_progress(sid, owner)
+    reader = TurnReader.of(request, request.path_params["sid"])
+    at = await reader.harness.sessions.turn_in_progress(reader.sid, reader.owner)
     if at is None:
         return Response(status_code=204)
-    reader = TurnReader.of(request, sid)
     reader.take_place()
     return reader.response(reader.frames(at.turn_id, at.after, UiStream(at.turn_id)), HEADERS)

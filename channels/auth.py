@@ -1,6 +1,7 @@
 """API-key authentication as pure ASGI middleware (no BaseHTTPMiddleware: it breaks contextvars).
 
-With keys configured, every `/v1` request needs `Authorization: Bearer <key>`; the caller's
+With keys configured, every `/v1` request needs `Authorization: Bearer <key>` (a frontend
+protocol's route takes a session's token there too, checked by its handler); the caller's
 identity (`owner`) is a digest of its key, so sessions are visible only to the key that made
 them and no key is ever stored. With no keys, everyone is the same anonymous owner (the
 service then refuses to listen beyond loopback)."""
@@ -13,6 +14,7 @@ from collections.abc import Iterable
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from channels.cors import frontend
 from channels.errors import error_body
 
 ANONYMOUS = "anon"
@@ -64,6 +66,12 @@ class ApiKeyAuth:
         if owner is None and scope["type"] == "websocket":
             # The socket handler accepts, then checks a ?token= or closes with 4401: a browser
             # sees a close code only on an accepted socket (and cannot send this header at all).
+            await self.app(scope, receive, send)
+            return
+        if owner is None and frontend(path) and header is not None and header[:7].lower() == b"bearer ":
+            # A frontend protocol's route may be opened with a session token instead of a key:
+            # its handler checks it against the session it names (`session_owner`).
+            scope.setdefault("state", {})["bearer"] = header[7:].strip().decode("utf-8", "replace")
             await self.app(scope, receive, send)
             return
         if owner is None:

@@ -22,6 +22,7 @@ from channels.drain import Drain
 from channels.errors import ChannelError
 from channels.limits import Occupancy
 from channels.sse import HEADERS, EventStream
+from channels.tokens import TokenSigner
 from channels.types import ContextValue
 from harness import Harness
 from harness.events import (
@@ -75,7 +76,16 @@ class TurnReader:
 
     @classmethod
     def of(cls, request: Request, sid: str) -> TurnReader:
-        return cls(request, request.app.state.harness, sid, request.state.owner)
+        """The reader of session `sid` for this request: its owner is the API key's, or the one a
+        session token for `sid` names (401 `unauthorized` for a token of anything else)."""
+        owner: str | None = getattr(request.state, "owner", None)
+        if owner is None:
+            tokens: TokenSigner = request.app.state.tokens
+            bearer: str = getattr(request.state, "bearer", "")
+            owner = tokens.verify(bearer, sid) if bearer else None
+            if owner is None:
+                raise ChannelError(401, "unauthorized", "missing or wrong API key, or no valid token for this session")
+        return cls(request, request.app.state.harness, sid, owner)
 
     async def follow(
         self, turn_id: str, after: str, armed: Armed | None = None

@@ -238,3 +238,46 @@ async def test_agui_failed_turn_and_bad_input(chat: Any) -> None:
         "/v1/agui", json={"threadId": "ses_x", "runId": "r", "messages": [{"id": "u", "role": "user"}]}
     )
     assert other.status_code in (400, 404)
+
+
+async def test_a_browser_opens_the_frontend_routes_with_a_session_token_from_an_allowed_origin(serve: Any) -> None:
+    agent, _, _ = frontend_agent()
+    live = await serve(agent, api_keys=("the-key",), allowed_origins=("http://app.example",))
+    async with live.client("the-key") as backend, live.client() as browser:
+        sid = (await backend.post("/v1/sessions")).json()["session_id"]
+        other = (await backend.post("/v1/sessions")).json()["session_id"]
+        token = (await backend.post(f"/v1/sessions/{sid}/tokens")).json()["token"]
+        theirs = (await backend.post(f"/v1/sessions/{other}/tokens")).json()["token"]
+        body = {"id": sid, "messages": [user("hello", "m1")]}
+        origin = {"Origin": "http://app.example"}
+
+        # the preflight is answered without a key, for the allowed origin only
+        pre = {**origin, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"}
+        ok = await browser.options("/v1/chat", headers=pre)
+        assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "http://app.example"
+        assert "authorization" in ok.headers["access-control-allow-headers"].lower()
+        elsewhere = await browser.options("/v1/chat", headers={**pre, "Origin": "http://evil.example"})
+        assert elsewhere.status_code == 400 and "access-control-allow-origin" not in elsewhere.headers
+        assert "access-control-allow-origin" not in (await browser.options("/v1/sessions", headers=pre)).headers
+
+        # no key or token, another session's token, a forged one: 401, nothing recorded
+        for headers in ({}, {"Authorization": f"Bearer {theirs}"}, {"Authorization": "Bearer forged.token"}):
+            refused = await browser.post("/v1/chat", json=body, headers={**origin, **headers})
+            assert refused.status_code == 401 and refused.json()["error"]["code"] == "unauthorized"
+        assert (await backend.get(f"/v1/sessions/{sid}/history")).json()["items"] == []
+        assert (
+            await browser.get(f"/v1/chat/{sid}/stream", headers={"Authorization": f"Bearer {theirs}"})
+        ).status_code == 401
+        # the token opens this session's chat and nothing else of the API
+        browser.headers["Authorization"] = f"Bearer {token}"
+        async with browser.stream("POST", "/v1/chat", json=body, headers=origin) as resp:
+            assert resp.status_code == 200 and resp.headers["access-control-allow-origin"] == "http://app.example"
+            assert "x-vercel-ai-ui-message-stream" in resp.headers["access-control-expose-headers"].lower()
+            await resp.aread()
+        assert (await browser.get(f"/v1/chat/{sid}/stream")).status_code == 204
+        assert (await browser.get(f"/v1/sessions/{sid}")).status_code == 401
+        run = {"threadId": sid, "runId": "r1", "messages": [{"id": "u2", "role": "user", "content": "hi"}]}
+        got = await chunks_of(browser, "POST", "/v1/agui", run)
+        assert got[-1]["type"] == "RUN_FINISHED"
+        history = (await backend.get(f"/v1/sessions/{sid}/history")).json()["items"]
+        assert [i["text"] for i in history] == ["hello", "Echo: hello", "hi", "Echo: hi"]
