@@ -1,13 +1,16 @@
 """keel killed (-9) in the middle of a reply that a useChat client (the AI SDK's own
 DefaultChatTransport in a chat built on AbstractChat) is reading: the client's stream breaks,
 keel restarts on the same Redis and re-runs the step, and the client, resuming as a reloaded
-page does (`GET /v1/chat/{id}/stream`), ends with exactly the committed reply, once."""
+page does (`GET /v1/chat/{id}/stream`), ends with exactly the committed reply, once. The same
+for an AG-UI run: the thread posted again brings the turn, its reply once."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -74,3 +77,50 @@ async def test_a_use_chat_client_resumes_a_reply_cut_by_a_crash(
         ("assistant", WHOLE),
     ]
     assert len(provider.requests) == 2
+
+
+@pytest.mark.slow
+async def test_an_agui_run_cut_by_a_crash_is_run_again_with_the_rest_once(
+    valkey: ValkeyServer, tmp_path: Path, provider: AnthropicServer
+) -> None:
+    provider.replies = [Reply([text(CUT)], chunks=10, pace=0.02), Reply([text(WHOLE)], chunks=10, pace=0.01)]
+    svc = Service(
+        tmp_path,
+        free_port(),
+        REDIS_URL=valkey.url,
+        KEEL_MODEL="anthropic:claude-test",
+        ANTHROPIC_API_KEY="test-key",
+        ANTHROPIC_BASE_URL=provider.url,
+        KEEL_LEASE_MS="1000",
+    )
+
+    async def run(c: httpx.AsyncClient, sid: str, run_id: str) -> list[dict[str, Any]]:
+        body = {"threadId": sid, "runId": run_id, "messages": [{"id": "u1", "role": "user", "content": "hello"}]}
+        events: list[dict[str, Any]] = []
+        try:
+            async with c.stream("POST", "/v1/agui", json=body) as resp:
+                async for line in resp.aiter_lines():
+                    if line.startswith("data: "):
+                        events.append(json.loads(line[6:]))
+        except httpx.HTTPError:  # (keel died under the stream)
+            pass
+        return events
+
+    try:
+        svc.start(KEEL_FAILPOINTS="model.mid_stream=exit@5")
+        async with httpx.AsyncClient(base_url=svc.base, timeout=20) as c:
+            sid = (await c.post("/v1/sessions")).json()["session_id"]
+            cut = await run(c, sid, "r1")
+        assert await asyncio.to_thread(svc.wait_exit) == 137
+        svc.start()
+        async with httpx.AsyncClient(base_url=svc.base, timeout=20) as c:
+            again = await run(c, sid, "r2")  # the page posts the same thread again
+    finally:
+        svc.stop()
+    assert cut[0]["type"] == "RUN_STARTED" and not any(e["type"] == "RUN_FINISHED" for e in cut)
+    assert any(e["type"] == "TEXT_MESSAGE_CONTENT" for e in cut)  # it died mid-reply
+    assert again[0]["type"] == "RUN_STARTED" and again[-1]["type"] == "RUN_FINISHED"
+    assert again[-1]["outcome"] == {"type": "success"}
+    texts = [e for e in again if e["type"] == "TEXT_MESSAGE_CONTENT"]
+    assert "".join(e["delta"] for e in texts) == WHOLE  # the committed reply, once
+    assert len({e["messageId"] for e in texts}) == 1
