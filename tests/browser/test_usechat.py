@@ -5,9 +5,14 @@ runs its tool once, a reload mid-turn resumes the reply once, and a reload while
 for approval shows the request again, to approve from the reloaded page.
 
 The page (tests/js/page) is bundled with esbuild from the pinned tests/js install, once per test
-session, and served beside keel on keel's own origin (keel answers no CORS): the test's ASGI
-app sends `/usechat/*` to the bundle and everything else to keel. Its session id, keel's base
-URL and the API key come in the page's URL."""
+session, and served beside keel on keel's own origin: the test's ASGI app sends `/usechat/*` to
+the bundle and everything else to keel. Its session id, keel's base URL and the API key come in
+the page's URL.
+
+As a deployment has it, the page is also served from an origin of its own (another port) to a
+keel whose `allowed_origins` names it: the test mints a session token with the key and gives the
+page only that, which the transport sends as `Bearer` across origins (with the browser's
+preflights); a keel that does not allow the page's origin gets no message from it at all."""
 
 from __future__ import annotations
 
@@ -15,13 +20,15 @@ import asyncio
 import re
 import shutil
 import subprocess
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlencode
 
 import httpx
 import pytest
+from starlette.applications import Starlette
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -261,3 +268,195 @@ async def test_a_reload_while_the_turn_waits_for_approval_then_approve(page: Pag
     await expect(page.locator(".message")).to_have_count(1)  # (the reloaded page: the resumed message only)
     assert list(keel.runs.values()) == [1]
     assert posts == ["message", "continuation"]
+
+
+# ---- the page on an origin of its own ------------------------------------------------------------
+
+
+class Seen:
+    """keel's ASGI app, noting each request a browser makes (one with an `Origin`) as it comes."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+        self.requests: list[tuple[str, str, str, str]] = []  # (method, path, origin, authorization)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            headers = dict(scope["headers"])
+            if b"origin" in headers:
+                auth = headers.get(b"authorization", b"").decode()
+                self.requests.append((scope["method"], scope["path"], headers[b"origin"].decode(), auth))
+        await self.app(scope, receive, send)
+
+
+@dataclass
+class CrossKeel(Keel):
+    page_origin: str  # where the page is served from (not keel's origin)
+    seen: Seen
+
+    async def token(self, sid: str) -> str:
+        """A session token, minted with the key as a deployment's backend does."""
+        minted = await self.client.post(f"/v1/sessions/{sid}/tokens")
+        assert minted.status_code == 201, minted.text
+        token: str = minted.json()["token"]
+        return token
+
+    def page_url_with(self, sid: str, token: str) -> str:
+        url = f"{self.page_origin}{PREFIX}?" + urlencode({"session": sid, "api": self.live.base, "token": token})
+        assert KEY not in url  # the page gets the token only
+        return url
+
+
+@pytest.fixture
+async def page_server(bundle: Path) -> AsyncIterator[LiveServer]:
+    """The page alone, on a port (so an origin) of its own."""
+    live = LiveServer(WithPage(Starlette(), bundle), free_port())
+    await live.start()
+    yield live
+    await live.stop()
+
+
+@pytest.fixture
+async def keels(
+    valkey: ValkeyServer, redis: Any, page_server: LiveServer
+) -> AsyncIterator[Callable[..., Awaitable[CrossKeel]]]:
+    """`await keels(allowed_origins)` -> a keel on another port than the page's, with that setting."""
+    started: list[CrossKeel] = []
+
+    async def start(allowed_origins: tuple[str, ...]) -> CrossKeel:
+        agent, runs, gates = frontend_agent()
+        settings = Settings(sse_heartbeat=0.5, api_keys=(KEY,), allowed_origins=allowed_origins)
+        seen = Seen(create_app(settings, redis_url=valkey.url, agent=agent))
+        live = LiveServer(seen, free_port(), settings)
+        await live.start()
+        keel = CrossKeel(live, live.client(KEY), runs, gates, page_server.base, seen)
+        started.append(keel)
+        assert keel.page_origin != live.base
+        return keel
+
+    yield start
+    for keel in started:
+        await keel.client.aclose()
+        await keel.live.stop()
+
+
+@dataclass
+class Tab:
+    page: Page
+    errors: list[str]  # the page's script errors and console errors
+    expected: re.Pattern[str] | None = None  # console errors a test expects (the browser's refusals)
+
+
+@pytest.fixture
+async def tab(browser: Browser, keels: Any) -> AsyncIterator[Tab]:
+    """A page of its own (closed before the keels stop), failing the test on a console error it
+    does not expect."""
+    context = await browser.new_context()
+    p = await context.new_page()
+    t = Tab(p, [])
+    p.on("pageerror", lambda exc: t.errors.append(str(exc)))
+    p.on("console", lambda msg: t.errors.append(msg.text) if msg.type == "error" else None)
+    yield t
+    await context.close()
+    assert [e for e in t.errors if not (t.expected and t.expected.search(e))] == []
+
+
+async def test_a_page_of_another_origin_chats_and_resumes_with_a_session_token(
+    tab: Tab, keels: Callable[..., Awaitable[CrossKeel]], page_server: LiveServer
+) -> None:
+    keel = await keels(allowed_origins=(page_server.base,))
+    page = tab.page
+    sid = await keel.session()
+    token = await keel.token(sid)
+    await page.goto(keel.page_url_with(sid, token))
+    await expect(page.locator("#chat")).to_have_attribute("data-status", "ready", timeout=10_000)
+
+    # a reply streams in, across origins
+    await page.evaluate(WATCH_ASSISTANT)
+    text = "hello from a page of another origin, with a token for this session only"
+    reply = f"Echo: {text}"
+    await say(page, text)
+    await expect(page.locator(".message.user .text")).to_have_text([text])
+    await expect(page.locator(".message.assistant .text")).to_have_text([reply])
+    await expect(page.locator("#chat")).to_have_attribute("data-status", "ready")
+    seen: list[str] = await page.evaluate("window.seenTexts")
+    assert [s for s in seen if s and s != reply], seen  # in pieces, not all at once
+    assert all(reply.startswith(s) for s in seen), seen
+
+    # a reload mid-turn resumes it: GET /v1/chat/{id}/stream, with the token, across origins
+    await say(page, "slow")
+    await expect(page.locator(".message.user .text")).to_have_text([text, "slow"])
+    await asyncio.wait_for(keel.gates.slow_began.wait(), 10)
+    stream_url = f"{keel.live.base}/v1/chat/{sid}/stream"
+    async with page.expect_response(lambda r: r.url == stream_url and r.request.method == "GET") as resumed:
+        await page.reload()
+    response = await resumed.value
+    assert response.status == 200
+    assert await response.header_value("access-control-allow-origin") == page_server.base
+    assert await response.request.header_value("authorization") == f"Bearer {token}"
+    await expect(page.locator(".message.assistant")).to_have_attribute("data-id", re.compile(r"^turn_"))
+    keel.gates.slow.set()
+    await expect(page.locator(".message.assistant .text")).to_have_text([SLOW_REPLY])
+    await expect(page.locator("#chat")).to_have_attribute("data-status", "ready")
+    await expect(page.locator(".message")).to_have_count(1)  # (the reloaded page: the resumed message only)
+    await expect(page.get_by_text(SLOW_REPLY)).to_have_count(1)
+    await shot(page, "usechat-cross-origin")
+
+    history = (await keel.client.get(f"/v1/sessions/{sid}/history")).json()["items"]
+    assert [(i["role"], i["text"]) for i in history] == [
+        ("user", text),
+        ("assistant", reply),
+        ("user", "slow"),
+        ("assistant", SLOW_REPLY),
+    ]
+    # what keel had from the browser: real preflights (no credential), then the token, never the key
+    requests = keel.seen.requests
+    assert {origin for _, _, origin, _ in requests} == {page_server.base}
+    assert {auth for method, _, _, auth in requests if method != "OPTIONS"} == {f"Bearer {token}"}
+    assert {auth for method, _, _, auth in requests if method == "OPTIONS"} == {""}
+    calls = [(method, path) for method, path, _, _ in requests]
+    for method, path in (("POST", "/v1/chat"), ("GET", f"/v1/chat/{sid}/stream")):
+        assert ("OPTIONS", path) in calls and calls.index(("OPTIONS", path)) < calls.index((method, path)), calls
+    assert calls.count(("POST", "/v1/chat")) == 2
+    assert (await keel.client.get(f"/v1/chat/{sid}/stream")).status_code == 204
+
+
+@pytest.mark.parametrize("allowed", [("http://app.example",), ()], ids=["another-origin-allowed", "none-allowed"])
+async def test_a_page_of_an_origin_not_allowed_sends_nothing(
+    tab: Tab, keels: Callable[..., Awaitable[CrossKeel]], allowed: tuple[str, ...]
+) -> None:
+    keel = await keels(allowed_origins=allowed)
+    page = tab.page
+    tab.expected = re.compile(r"has been blocked by CORS policy|net::ERR_FAILED")
+    sid = await keel.session()
+    token = await keel.token(sid)
+    chat_url = f"{keel.live.base}/v1/chat"
+    stream_url = f"{chat_url}/{sid}/stream"
+
+    # useChat's `resume` asks for the stream as the page mounts: the browser refuses that already
+    async with page.expect_event("requestfailed", lambda r: r.url == stream_url, timeout=10_000) as resume:
+        await page.goto(keel.page_url_with(sid, token))
+    assert (await resume.value).failure == "net::ERR_FAILED"
+    await expect(page.locator("#chat")).to_have_attribute("data-status", "error")
+
+    text = "hello from an origin keel does not allow"
+    async with page.expect_event(
+        "requestfailed", lambda r: r.url == chat_url and r.method == "POST", timeout=10_000
+    ) as failed:
+        await say(page, text)
+    assert (await failed.value).failure == "net::ERR_FAILED"
+    await expect(page.locator(".message.user .text")).to_have_text([text])  # (useChat shows it as it sends)
+    await expect(page.locator("#chat")).to_have_attribute("data-status", "error")
+    await expect(page.locator("#error")).to_have_text("Failed to fetch")
+    await expect(page.locator(".message.assistant")).to_have_count(0)
+    blocked = [e for e in tab.errors if "blocked by CORS policy" in e]
+    assert any(f"'{chat_url}'" in e for e in blocked) and any(stream_url in e for e in blocked), tab.errors
+
+    # keel answered the preflight only: the message never came, nothing is recorded
+    calls = [(method, path) for method, path, _, _ in keel.seen.requests]
+    assert ("OPTIONS", "/v1/chat") in calls and ("POST", "/v1/chat") not in calls, calls
+    assert (await keel.client.get(f"/v1/sessions/{sid}/history")).json()["items"] == []
+    assert (await keel.client.get(f"/v1/sessions/{sid}")).json()["status"] == "idle"
+    # (and not for the token: it opens this session's chat for a caller that is no browser)
+    async with keel.live.client(token) as backend:
+        assert (await backend.get(f"/v1/chat/{sid}/stream")).status_code == 204

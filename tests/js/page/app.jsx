@@ -1,6 +1,8 @@
 // A small page on the AI SDK's useChat against keel's /v1/chat (tests/browser/test_usechat.py
-// bundles it with esbuild and serves it beside keel, same origin).
+// bundles it with esbuild and serves it beside keel, same origin, or from an origin of its own).
 //   index.html?session=<keel session id>&api=<keel base url>&key=<api key, optional>
+//   index.html?session=<keel session id>&api=<keel base url>&token=<the session's token>
+// (a key or a session token from POST /v1/sessions/{id}/tokens: either goes as `Bearer`)
 import { useChat } from "@ai-sdk/react";
 import { DefaultChatTransport, lastAssistantMessageIsCompleteWithApprovalResponses } from "ai";
 import { useState } from "react";
@@ -9,11 +11,11 @@ import { createRoot } from "react-dom/client";
 const params = new URLSearchParams(location.search);
 const session = params.get("session");
 const api = params.get("api") || location.origin;
-const key = params.get("key");
+const credential = params.get("token") || params.get("key");
 
 const transport = new DefaultChatTransport({
   api: `${api}/v1/chat`,
-  headers: key ? { Authorization: `Bearer ${key}` } : {},
+  headers: credential ? { Authorization: `Bearer ${credential}` } : {},
   body: { context: { page: "/usechat" } },
 });
 
