@@ -40,7 +40,7 @@ from starlette.responses import Response
 from channels.errors import ChannelError
 from channels.http import NOT_FOUND, QUEUED, decode, read_body
 from channels.spec import Returns, operation
-from channels.turnstream import Answer, Followed, TurnReader
+from channels.turnstream import Action, Answer, Followed, TextItems, TurnReader
 from harness.events import (
     Event,
     InputRequested,
@@ -117,25 +117,28 @@ def _answer(entry: ResumeEntry) -> tuple[str, str]:
 
 
 class AguiRun:
-    """The AG-UI events of one run of a turn."""
+    """The AG-UI events of one run of a turn. A text item is one text message; an attempt
+    whose text is not what keel kept (a retried model call) ends, and the kept text follows as
+    a message of its own (AG-UI takes nothing back)."""
 
     def __init__(self, thread_id: str, run_id: str) -> None:
         self.thread_id, self.run_id = thread_id, run_id
-        self.texts: dict[str, str] = {}  # text message id -> the text sent
-        self.open: set[str] = set()  # text messages started, not ended
-        self.seen: dict[str, str | None] = {}  # the text the deltas of a message make
+        self.texts = TextItems()
+        self.message: dict[str, str] = {}  # text item -> its current message id
+        self.open: set[str] = set()  # message ids started, not ended
         self.calls: set[str] = set()
 
     def opening(self) -> bytes:
-        return _bytes([RunStartedEvent(thread_id=self.thread_id, run_id=self.run_id)])
+        return _bytes([RunStartedEvent(thread_id=self.thread_id, run_id=self.run_id, protocol_version="1.0")])
 
     def feed(self, event: Followed) -> bytes:
         out: list[BaseEvent] = []
         match event:
             case MessageDelta(data=d):
-                self._delta(out, d.item_id, d.delta, d.offset)
+                self._text(out, d.item_id, *self.texts.delta(d.item_id, d.delta, d.offset))
             case MessageCompleted(data=d):
-                self._completed(out, d.item_id, d.text)
+                self._text(out, d.item_id, *self.texts.completed(d.item_id, d.text))
+                self._end(out, self.message.get(d.item_id, ""))
             case ToolStarted(data=d):
                 self._call(out, d.call_id, d.tool, d.arguments)
             case ToolCompleted(data=d):
@@ -178,47 +181,35 @@ class AguiRun:
     def _finished(self, outcome: Any) -> RunFinishedEvent:
         return RunFinishedEvent(thread_id=self.thread_id, run_id=self.run_id, outcome=outcome)
 
-    def _send(self, out: list[BaseEvent], item_id: str, upto: str) -> None:
-        shown = self.texts.get(item_id, "")
-        if len(upto) <= len(shown):
+    def _text(self, out: list[BaseEvent], item_id: str, action: Action, text: str, first: bool) -> None:
+        if action == "skip":
             return
-        if item_id not in self.texts:
+        if first:
+            for cut in self.texts.abandoned(item_id):  # (a cut attempt: its message ends as it is)
+                self._end(out, self.message.get(cut, ""))
+        if action == "restart":
+            self._end(out, self.message.get(item_id, ""))
+            n = sum(1 for m in self.message.values() if m.startswith(item_id))
+            self.message[item_id] = f"{item_id}.{n + 1}"
+            first = True
+        if first and not text:
+            return
+        message_id = self.message.setdefault(item_id, item_id)
+        if first:
             self._end_texts(out)
-            out.append(TextMessageStartEvent(message_id=item_id, role="assistant"))
-            self.open.add(item_id)
-        out.append(TextMessageContentEvent(message_id=item_id, delta=upto[len(shown) :]))
-        self.texts[item_id] = upto
+            out.append(TextMessageStartEvent(message_id=message_id, role="assistant"))
+            self.open.add(message_id)
+        if text:
+            out.append(TextMessageContentEvent(message_id=message_id, delta=text))
 
-    def _delta(self, out: list[BaseEvent], item_id: str, delta: str, offset: int) -> None:
-        if item_id in self.texts and item_id not in self.open:
-            return  # (ended)
-        seen = self.seen.get(item_id, "")
-        if offset == 0:
-            seen = delta
-        elif seen is not None and offset == len(seen):
-            seen += delta
-        else:
-            seen = None
-        self.seen[item_id] = seen
-        if seen is not None and seen.startswith(self.texts.get(item_id, "")):
-            self._send(out, item_id, seen)
-
-    def _completed(self, out: list[BaseEvent], item_id: str, text: str) -> None:
-        if item_id in self.texts and item_id not in self.open:
-            return
-        if text.startswith(self.texts.get(item_id, "")):
-            self._send(out, item_id, text)
-        self._end(out, item_id)
-        self.texts.setdefault(item_id, "")
-
-    def _end(self, out: list[BaseEvent], item_id: str) -> None:
-        if item_id in self.open:
-            self.open.discard(item_id)
-            out.append(TextMessageEndEvent(message_id=item_id))
+    def _end(self, out: list[BaseEvent], message_id: str) -> None:
+        if message_id in self.open:
+            self.open.discard(message_id)
+            out.append(TextMessageEndEvent(message_id=message_id))
 
     def _end_texts(self, out: list[BaseEvent]) -> None:
-        for item_id in sorted(self.open):
-            self._end(out, item_id)
+        for message_id in sorted(self.open):
+            self._end(out, message_id)
 
     def _call(self, out: list[BaseEvent], call: str, tool: str, arguments: dict[str, Any] | None) -> None:
         if call in self.calls:
@@ -254,7 +245,8 @@ def _bytes(events: list[BaseEvent]) -> bytes:
         **NOT_FOUND,
         **QUEUED,
         400: "`invalid_request`, `invalid_json`, `invalid_message_id`, `invalid_decision`",
-        409: "`already_answered` (with the recorded `decision`)",
+        409: "`already_answered` (with the recorded `decision`), `awaiting_approval` (a new message while a turn "
+        "waits for answers), `message_edited` (a sent message id with other text)",
     },
     tag="frontends",
 )

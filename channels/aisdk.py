@@ -26,7 +26,7 @@ from starlette.responses import Response
 from channels.errors import ChannelError
 from channels.http import NOT_FOUND, QUEUED, decode, read_body
 from channels.spec import Returns, operation
-from channels.turnstream import Answer, Followed, TurnReader
+from channels.turnstream import Action, Answer, Followed, TextItems, TurnReader
 from channels.types import ContextValue
 from harness.events import (
     Event,
@@ -90,18 +90,6 @@ chat_decoder = msgspec.json.Decoder(ChatRequest)
 # ---- keel's events as UI message chunks -------------------------------------------------------
 
 
-class _Text:
-    """A text part: what the client was sent (`shown`) and the text its deltas make (`seen`:
-    None when they do not start where it was joined)."""
-
-    __slots__ = ("done", "seen", "shown")
-
-    def __init__(self) -> None:
-        self.shown = ""
-        self.seen: str | None = ""
-        self.done = False
-
-
 def _chunk(value: dict[str, Any]) -> bytes:
     return b"data: " + _enc.encode(value) + b"\n\n"
 
@@ -111,9 +99,9 @@ class UiStream:
 
     def __init__(self, message_id: str) -> None:
         self.message_id = message_id
-        self.texts: dict[str, _Text] = {}
+        self.texts = TextItems()
         self.calls: set[str] = set()  # tool calls the client was shown
-        self.denied: set[str] = set()
+        self.ended: set[str] = set()  # ... and those it has an outcome of
         self.step_open = False
         self.step_item = ""  # the step's text item
         self.step_tools = False
@@ -125,9 +113,11 @@ class UiStream:
         out: list[dict[str, Any]] = []
         match event:
             case MessageDelta(data=d):
-                self._delta(out, d.item_id, d.delta, d.offset)
+                self._text(out, d.item_id, *self.texts.delta(d.item_id, d.delta, d.offset))
             case MessageCompleted(data=d):
-                self._completed(out, d.item_id, d.text)
+                self._text(out, d.item_id, *self.texts.completed(d.item_id, d.text))
+                if self.texts.sent(d.item_id):
+                    out.append({"type": "text-end", "id": d.item_id})
             case ToolStarted(data=d):
                 self._step(out, tools=True)
                 self._shown(out, d.call_id, d.tool, d.arguments)
@@ -139,12 +129,13 @@ class UiStream:
                     out.append({"type": "tool-approval-request", "approvalId": r.request_id, "toolCallId": call})
             case InputResolved(data=d) if d.decision != "approve":
                 call = call_of(d.request_id)
-                if call in self.calls and call not in self.denied:
-                    self.denied.add(call)
+                if call in self.calls and call not in self.ended:
+                    self.ended.add(call)
                     out.append({"type": "tool-output-denied", "toolCallId": call})
-            case ToolCompleted(data=d) if d.call_id not in self.denied:
+            case ToolCompleted(data=d) if d.call_id not in self.ended:
                 self._step(out, tools=True)
                 self._shown(out, d.call_id, d.tool, {})
+                self.ended.add(d.call_id)
                 if d.is_error:
                     out.append({"type": "tool-output-error", "toolCallId": d.call_id, "errorText": d.result})
                 else:
@@ -152,11 +143,10 @@ class UiStream:
         return b"".join(_chunk(c) for c in out)
 
     def closing(self, last: Event | SessionDeleted) -> bytes:
-        out: list[dict[str, Any]] = []
-        for item_id, text in self.texts.items():  # (a cut stream's text part: ended as it is)
-            if not text.done and text.shown:
-                text.done = True
-                out.append({"type": "text-end", "id": item_id})
+        out: list[dict[str, Any]] = [{"type": "text-end", "id": i} for i in self.texts.unfinished()]
+        if not isinstance(last, InputRequested):  # (a call left without an outcome gets one)
+            for call in sorted(self.calls - self.ended):
+                out.append({"type": "tool-output-error", "toolCallId": call, "errorText": "the turn ended first"})
         if self.step_open:
             out.append({"type": "finish-step"})
             self.step_open = False
@@ -168,8 +158,8 @@ class UiStream:
             case TurnFailed(data=d):
                 out.append({"type": "error", "errorText": f"{d.error.code}: {d.error.message}"})
                 out.append({"type": "finish", "finishReason": "error"})
-            case TurnCancelled():
-                out.append({"type": "abort", "reason": "the turn was cancelled"})
+            case TurnCancelled():  # ("interrupted": nothing is sent again automatically)
+                out.append({"type": "finish", "finishReason": "interrupted"})
             case SessionDeleted():
                 out.append({"type": "error", "errorText": "session_deleted: the session is gone"})
                 out.append({"type": "finish", "finishReason": "error"})
@@ -189,50 +179,26 @@ class UiStream:
             self.step_item = item
         self.step_tools = self.step_tools or tools
 
-    def _text(self, item_id: str) -> _Text:
-        text = self.texts.get(item_id)
-        if text is None:
-            text = self.texts[item_id] = _Text()
-        return text
+    def _restart_step(self, out: list[dict[str, Any]], item_id: str) -> None:
+        """What the client was sent of this step is not what keel kept: it is taken back."""
+        out += [{"type": "reset-step"}, {"type": "start-step"}]
+        self.step_open, self.step_item, self.step_tools = True, item_id, False
 
-    def _send(self, out: list[dict[str, Any]], item_id: str, text: _Text, upto: str) -> None:
-        """Send `upto`'s rest after what was shown (it continues it)."""
-        if len(upto) <= len(text.shown):
+    def _text(self, out: list[dict[str, Any]], item_id: str, action: Action, text: str, first: bool) -> None:
+        if action == "skip":
+            return
+        if action == "restart":  # (a retried attempt; or the kept text is not what streamed)
+            self._restart_step(out, item_id)
+            first = True
+        elif first and self.texts.abandoned(item_id):  # (a cut attempt, its step run again as a new item)
+            self._restart_step(out, item_id)
+        if not text and first:
             return
         self._step(out, item_id)
-        if not text.shown:
+        if first:
             out.append({"type": "text-start", "id": item_id})
-        out.append({"type": "text-delta", "id": item_id, "delta": upto[len(text.shown) :]})
-        text.shown = upto
-
-    def _delta(self, out: list[dict[str, Any]], item_id: str, delta: str, offset: int) -> None:
-        text = self._text(item_id)
-        if text.done:
-            return
-        if offset == 0 and text.shown:  # a retried attempt, streaming again: its step starts over
-            out += [{"type": "reset-step"}, {"type": "start-step"}]
-            self.step_item, self.step_tools, text.shown = item_id, False, ""
-            text.seen = delta
-        elif offset == 0:
-            text.seen = delta
-        elif text.seen is not None and offset == len(text.seen):
-            text.seen += delta
-        else:  # joined mid-item: its text comes whole with message.completed
-            text.seen = None
-        if text.seen is not None and text.seen.startswith(text.shown):
-            self._send(out, item_id, text, text.seen)
-
-    def _completed(self, out: list[dict[str, Any]], item_id: str, full: str) -> None:
-        text = self._text(item_id)
-        if text.done:
-            return
-        if not full.startswith(text.shown):  # (what was sent is not what was kept: the step starts over)
-            out += [{"type": "reset-step"}, {"type": "start-step"}]
-            self.step_item, self.step_tools, text.shown = item_id, False, ""
-        self._send(out, item_id, text, full)
-        if text.shown:
-            out.append({"type": "text-end", "id": item_id})
-        text.done = True
+        if text:
+            out.append({"type": "text-delta", "id": item_id, "delta": text})
 
     def _shown(self, out: list[dict[str, Any]], call: str, tool: str, arguments: dict[str, Any]) -> None:
         if call not in self.calls:
@@ -247,7 +213,7 @@ STREAM = Returns(
     200,
     str,
     "The AI SDK UI message stream: SSE `data:` lines of JSON chunks (`start`, `start-step`, `text-*`, "
-    "`tool-*`, `finish-step`, `finish`, `error`, `abort`), then `data: [DONE]`",
+    "`tool-*`, `reset-step`, `finish-step`, `finish`, `error`), then `data: [DONE]`",
     media="text/event-stream",
 )
 
@@ -261,7 +227,8 @@ STREAM = Returns(
         **QUEUED,
         400: "`invalid_request`, `invalid_json`, `invalid_message_id`, `unsupported_trigger`, `nothing_to_answer`, "
         "`invalid_decision`",
-        409: "`already_answered` (with the recorded `decision`)",
+        409: "`already_answered` (with the recorded `decision`), `awaiting_approval` (a new message while a turn "
+        "waits for answers), `message_edited` (a sent message id with other text)",
     },
     tag="frontends",
 )

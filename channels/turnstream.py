@@ -10,11 +10,13 @@ client going away stops the reading only: the turn goes on."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import Literal, NamedTuple, Protocol
 
+import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -25,6 +27,7 @@ from channels.sse import HEADERS, EventStream
 from channels.tokens import TokenSigner
 from channels.types import ContextValue
 from harness import Harness
+from harness.errors import Conflict, NotFound
 from harness.events import (
     Event,
     InputRequested,
@@ -65,6 +68,75 @@ class Translator(Protocol):
         ...
 
 
+class _Item:
+    __slots__ = ("done", "gap", "pieces", "sent")
+
+    def __init__(self) -> None:
+        self.pieces: list[str] = []
+        self.sent = 0  # characters sent
+        self.gap = False  # deltas stopped continuing what was sent: the rest comes with the item
+        self.done = False
+
+
+Action = Literal["send", "restart", "skip"]
+
+
+class TextItems:
+    """What a client was sent of each text item, from keel's deltas (live only: a stream that
+    joined mid-item, or a retried attempt streaming again from offset 0, shows) and the item's
+    committed text. A translator turns the actions into its protocol's frames:
+    `send` (text continues what was sent; `first`: nothing was sent before), `restart` (text
+    is the item from its start: what was sent is not it), `skip`. O(1) per delta."""
+
+    def __init__(self) -> None:
+        self.items: dict[str, _Item] = {}
+
+    def delta(self, item_id: str, delta: str, offset: int) -> tuple[Action, str, bool]:
+        item = self.items.setdefault(item_id, _Item())
+        if item.done or not delta:
+            return "skip", "", False
+        if offset == 0 and item.sent:  # a retried attempt streaming again
+            item.pieces, item.sent, item.gap = [delta], len(delta), False
+            return "restart", delta, False
+        if offset != item.sent or item.gap:  # joined mid-item (or a gap): the rest comes whole
+            item.gap = True
+            return "skip", "", False
+        first = not item.sent
+        item.pieces.append(delta)
+        item.sent += len(delta)
+        return "send", delta, first
+
+    def completed(self, item_id: str, text: str) -> tuple[Action, str, bool]:
+        item = self.items.setdefault(item_id, _Item())
+        if item.done:
+            return "skip", "", False
+        item.done = True
+        shown = "".join(item.pieces)
+        item.pieces = [text]
+        if text.startswith(shown):
+            first = not item.sent
+            item.sent = len(text)
+            return "send", text[len(shown) :], first
+        item.sent = len(text)
+        return "restart", text, False
+
+    def sent(self, item_id: str) -> bool:
+        item = self.items.get(item_id)
+        return item is not None and item.sent > 0
+
+    def abandoned(self, item_id: str) -> list[str]:
+        """Other items sent in part and never completed: an attempt a crash or a hand-over cut
+        (the step ran again as a new item). They count as done from now on."""
+        cut = [i for i, item in self.items.items() if i != item_id and item.sent and not item.done]
+        for i in cut:
+            self.items[i].done = True
+        return cut
+
+    def unfinished(self) -> list[str]:
+        """Items sent in part, never completed (the stream ends with them open)."""
+        return [i for i, item in self.items.items() if item.sent and not item.done]
+
+
 @dataclass(frozen=True)
 class TurnReader:
     """A request's reading of one session's turns: the harness, the session, its owner."""
@@ -89,7 +161,7 @@ class TurnReader:
 
     async def follow(
         self, turn_id: str, after: str, armed: Armed | None = None
-    ) -> AsyncIterator[Followed | SessionDeleted | None]:
+    ) -> AsyncGenerator[Followed | SessionDeleted | None, None]:
         """The turn's committed events after `after`, then live, with its deltas; None for a
         heartbeat; a SessionDeleted last if the session ends. Never ends by itself otherwise:
         the caller stops at the event it waits for."""
@@ -119,55 +191,78 @@ class TurnReader:
         armed: Armed | None = None,
     ) -> AsyncIterator[bytes]:
         """The translator's frames for the turn, from its opening to its closing: after the
-        turn's outcome, or the approval requests it waits on (still open when they are read)."""
+        turn's outcome, or the approval requests it waits on (those still open when read)."""
         yield translator.opening()
-        async for event in self.follow(turn_id, after, armed):
-            if event is None:
-                yield KEEP_ALIVE
-                continue
-            if isinstance(event, SessionDeleted):
-                yield translator.closing(event)
-                return
-            out = translator.feed(event)
-            if muted_until is not None:
-                if muted_until(event):
-                    muted_until = None
-                continue
-            if out:
-                yield out
-            if isinstance(event, ENDINGS) or (isinstance(event, InputRequested) and await self._waits_on(event)):
-                yield translator.closing(event)
-                return
+        async with contextlib.aclosing(self.follow(turn_id, after, armed)) as events:
+            async for event in events:
+                if event is None:
+                    yield KEEP_ALIVE
+                    continue
+                if isinstance(event, SessionDeleted):
+                    yield translator.closing(event)
+                    return
+                out = translator.feed(event)
+                if muted_until is not None:
+                    if not muted_until(event):
+                        continue
+                    muted_until = None  # (the requests answered: what follows is new to the client)
+                    out = b""
+                if out:
+                    yield out
+                if isinstance(event, ENDINGS):
+                    yield translator.closing(event)
+                    return
+                if isinstance(event, InputRequested) and (waits := await self._waits_on(event)) is not None:
+                    yield translator.closing(waits)
+                    return
 
     async def answer(self, answers: Sequence[Answer], translator: Translator) -> AsyncIterator[bytes]:
         """Record approval answers, each as `POST .../responses` does (a repeat is accepted, a
-        different answer is a 409), then the frames of the rest of their turn: the events up to
-        the requests they answer were sent by the stream that asked (they are read, muted)."""
-        self.take_place()
-        try:
-            return await self._answered(answers, translator)
-        except BaseException:
-            self.give_place()
-            raise
-
-    async def _answered(self, answers: Sequence[Answer], translator: Translator) -> AsyncIterator[bytes]:
+        different answer is a 409; one for a request its cancelled turn withdrew is let be),
+        then the frames of the rest of their turn: the events up to the requests they answer
+        were sent by the stream that asked (they are read, muted). Every answer is checked, and
+        its turn found, before the first is recorded."""
+        sessions = self.harness.sessions
         for a in answers:
-            await self.harness.sessions.respond(self.sid, self.owner, a.request_id, a.decision, a.reason)
-        turn_id = await self.harness.sessions.turn_asking(self.sid, self.owner, answers[0].request_id)
-        after = await self.harness.sessions.turn_start(self.sid, self.owner, turn_id) if turn_id else None
+            sessions.check_answer(a.request_id, a.decision, a.reason)
+        first = answers[0].request_id
+        turn_id = await sessions.turn_asking(self.sid, self.owner, first)
+        after = await sessions.turn_start(self.sid, self.owner, turn_id) if turn_id else None
         if turn_id is None or after is None:
-            raise ChannelError(404, "turn_not_found", f"the turn of {answers[0].request_id[:64]} is no longer kept")
+            raise ChannelError(404, "request_not_found", f"no approval request {first[:64]} in session {self.sid}")
+        open_now = set(await sessions.pending(self.sid, self.owner))
+        # the answers to closed requests first: a repeat changes nothing, a conflict or an
+        # unknown request fails before any new answer is recorded
+        ordered = sorted(answers, key=lambda a: a.request_id in open_now)
+        self.take_place()
+        armed = sessions.arm(self.sid)  # (before the answers: the rest of the turn is not missed)
+        try:
+            for a in ordered:
+                try:
+                    await sessions.respond(self.sid, self.owner, a.request_id, a.decision, a.reason)
+                except Conflict as exc:
+                    if exc.details.get("decision") != "withdrawn":
+                        raise
+        except BaseException:
+            self.give_place(armed)
+            raise
         ids = {a.request_id for a in answers}
 
         def asked(event: Followed) -> bool:
             return isinstance(event, InputRequested) and any(r.request_id in ids for r in event.data.requests)
 
-        return self.frames(turn_id, after, translator, muted_until=asked)
+        return self.frames(turn_id, after, translator, muted_until=asked, armed=armed)
 
-    async def _waits_on(self, asked: InputRequested) -> bool:
-        """Whether the turn still waits on these requests (else it went on: follow it)."""
-        waiting = set(await self.harness.sessions.pending(self.sid, self.owner))
-        return any(r.request_id in waiting for r in asked.data.requests)
+    async def _waits_on(self, asked: InputRequested) -> InputRequested | None:
+        """The requests of `asked` the turn still waits on (None: all answered; it went on)."""
+        try:
+            waiting = set(await self.harness.sessions.pending(self.sid, self.owner))
+        except NotFound:  # (the session ended: its reader is told next)
+            return None
+        still = [r for r in asked.data.requests if r.request_id in waiting]
+        if not still:
+            return None
+        return msgspec.structs.replace(asked, data=msgspec.structs.replace(asked.data, requests=still))
 
     def take_place(self) -> None:
         """One of the session's reader places in this process (429 `too_many_readers` when it
@@ -205,11 +300,18 @@ class TurnReader:
         """Submit a user message and answer with its turn's frames: the subscription is opened
         first, so not one of its live deltas is missed. A message id sent before replays its turn."""
         harness, sid, owner = self.harness, self.sid, self.owner
+        waiting = await harness.sessions.waiting_on(sid, owner)
+        if waiting is not None and waiting != message_id:  # (its stream would wait behind the approval)
+            raise ChannelError(409, "awaiting_approval", "the session's turn waits for approval: answer it first")
         await harness.quotas.admit(owner)
         self.take_place()
         armed = harness.sessions.arm(sid)
         try:
             done = await harness.sessions.submit(sid, owner, text, context, message_id)
+            if done.duplicate and await harness.sessions.message_text(sid, owner, done.received_id) not in (text, None):
+                raise ChannelError(
+                    409, "message_edited", f"message {message_id[:64]} was sent with other text: editing needs forks"
+                )
         except BaseException:
             self.give_place(armed)
             raise

@@ -102,6 +102,8 @@ class TurnAt(msgspec.Struct, frozen=True):
 
     turn_id: str
     after: str
+    message_id: str
+    waiting: bool  # paused for answers
 
 
 class SubmitResult(msgspec.Struct, frozen=True):

@@ -4,6 +4,7 @@ Its model streams its text 4 characters a delta, a few milliseconds apart (as a 
 tokens come), and answers by the user's text:
     "weather <city>"  -> calls `weather` (no approval), then says what it returned
     "pay <n>"         -> says it will pay, calls `pay` (approval always), then reports the result
+    "pay <n> <m>"     -> two `pay` calls in one step (two approval requests)
     "fail"            -> the model fails (not retryable): the turn fails
     "slow"            -> waits on `Gates.slow` before its reply (a turn to join mid-way)
     anything else     -> "Echo: <text>"
@@ -65,7 +66,8 @@ def frontend_agent() -> tuple[Agent, Counter[str], Gates]:
         if text.startswith("weather "):
             return ModelReply(text="Looking it up.", tool_calls=[ToolCall("weather", {"city": text[8:]})])
         if text.startswith("pay "):
-            return ModelReply(text="I will pay.", tool_calls=[ToolCall("pay", {"amount": int(text[4:])})])
+            calls = [ToolCall("pay", {"amount": int(n)}) for n in text[4:].split()]
+            return ModelReply(text="I will pay.", tool_calls=calls)
         if text == "fail":
             raise ModelError("the model is down", retryable=False)
         if text == "slow":

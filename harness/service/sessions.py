@@ -16,7 +16,7 @@ from typing import Any, cast
 
 from harness import failpoints
 from harness.errors import Conflict, InvalidInput, NotFound
-from harness.events import LiveEvent, Requested, StoredEvent
+from harness.events import LiveEvent, MessageReceived, Requested, StoredEvent
 from harness.ids import MESSAGE_ID, SESSION_ID, new_id
 from harness.loop.context import split_context
 from harness.runner import Runner
@@ -155,12 +155,7 @@ class Sessions:
         channel names who answered (`by`) and has the relay told (`deliver_to`); its answer,
         the session's job and the relay's job are then one round trip."""
         check_session_id(sid)
-        if decision not in ("approve", "deny"):
-            raise InvalidInput("decision must be approve or deny", code="invalid_decision")
-        if len(reason) > MAX_REASON:
-            raise InvalidInput(f"reason is longer than {MAX_REASON} characters")
-        if not MESSAGE_ID.match(request_id):
-            raise NotFound(f"no approval request {request_id[:64]} in session {sid}", code="request_not_found")
+        self.check_answer(request_id, decision, reason, sid)
         answer = Answer(decision, reason, by)  # type: ignore[arg-type]
         res = await self.store.respond(sid, owner, request_id, answer, deliver_to=deliver_to)
         match res:
@@ -177,6 +172,17 @@ class Sessions:
             case AlreadyAnswered(job=job):  # a repeat: the first one may have died before it woke the turn
                 await self._wake(sid, job)
         return res
+
+    @staticmethod
+    def check_answer(request_id: str, decision: str, reason: str, sid: str = "") -> None:
+        """What `respond` refuses before it looks at the session: a decision other than approve
+        or deny, a reason too long, a request id of no request's shape."""
+        if decision not in ("approve", "deny"):
+            raise InvalidInput("decision must be approve or deny", code="invalid_decision")
+        if len(reason) > MAX_REASON:
+            raise InvalidInput(f"reason is longer than {MAX_REASON} characters")
+        if not MESSAGE_ID.match(request_id):
+            raise NotFound(f"no approval request {request_id[:64]} in session {sid}", code="request_not_found")
 
     async def cancel(
         self, sid: str, owner: str, turn_id: str | None = None, *, deliver_to: str | None = None, once: str = ""
@@ -260,21 +266,47 @@ class Sessions:
         )
 
     async def turn_in_progress(self, sid: str, owner: str) -> TurnAt | None:
-        """The turn running, paused for answers, or queued next, and where a replay of it from
-        its first event starts; None when the session has no message's turn in progress."""
+        """The message's turn running, paused for answers, or queued next (the inbox's head),
+        and where a replay of it from its first event starts; None when there is none (or a
+        compact or clear is what runs)."""
         check_session_id(sid)
         meta = await self.store.meta(sid, owner)
-        head = await self.store.head(sid)  # (the turn in progress while meta.turn names it)
-        turn = meta.turn or (head.turn_id if head is not None and head.kind == "message" else "")
-        after = await self.turn_start(sid, owner, turn, checked=True) if turn else None
-        return TurnAt(turn, after) if after is not None else None
+        head = await self.store.head(sid)
+        if head is None or head.kind != "message":
+            return None
+        found = await self.store.received(sid, head.message_id)
+        if found is None:
+            return None
+        return TurnAt(head.turn_id, streamids.before(found[1]), head.message_id, meta.status == "waiting")
 
-    async def turn_start(self, sid: str, owner: str, turn_id: str, *, checked: bool = False) -> str | None:
-        """Where a replay of turn `turn_id` from its first event starts; None if the session's
-        outbox does not hold it (`checked`: the owner was)."""
-        if not checked:
-            await self.check_owner(sid, owner)
-        begins = await self.store.outbox.turn_begins(sid, turn_id)
+    async def waiting_on(self, sid: str, owner: str) -> str | None:
+        """The message id of the turn that waits for answers, if one does (NotFound unless the
+        session is `owner`'s)."""
+        check_session_id(sid)
+        meta = await self.store.meta(sid, owner)
+        if meta.status != "waiting":
+            return None
+        head = await self.store.head(sid)
+        return head.message_id if head is not None else None
+
+    async def message_text(self, sid: str, owner: str, received_id: str) -> str | None:
+        """The text of the message whose message.received is `received_id`, if still kept."""
+        await self.check_owner(sid, owner)
+        event = await self.store.outbox.event(sid, received_id)
+        received = event.of(MessageReceived) if event is not None else None
+        return received.data.text if received is not None else None
+
+    async def turn_start(self, sid: str, owner: str, turn_id: str) -> str | None:
+        """Where a replay of turn `turn_id` from its first event starts; None if the session
+        does not hold it any more."""
+        check_session_id(sid)
+        await self.store.meta(sid, owner)
+        head = await self.store.head(sid)
+        if head is not None and head.turn_id == turn_id:
+            found = await self.store.received(sid, head.message_id)
+            if found is not None:
+                return streamids.before(found[1])
+        begins = await self.store.outbox.turn_begins(sid, turn_id)  # (a turn that ended: looked for)
         return streamids.before(begins) if begins is not None else None
 
     async def turn_asking(self, sid: str, owner: str, request_id: str) -> str | None:

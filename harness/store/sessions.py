@@ -259,6 +259,16 @@ class Store:
         return _inbox.decode(raw) if raw is not None else None
 
     @translated
+    async def received(self, sid: str, message_id: str) -> tuple[str, str] | None:
+        """(turn_id, the id of its message.received) of message `message_id`, if recorded."""
+        raw = await self.redis.hget(SessionKeys(sid).mids, message_id)
+        if raw is None:
+            return None
+        text = raw.decode() if isinstance(raw, bytes) else raw
+        turn_id, _, received_id = text.partition(" ")
+        return (turn_id, received_id) if received_id else None
+
+    @translated
     async def submit(
         self,
         sid: str,

@@ -281,3 +281,122 @@ async def test_a_browser_opens_the_frontend_routes_with_a_session_token_from_an_
         assert got[-1]["type"] == "RUN_FINISHED"
         history = (await backend.get(f"/v1/sessions/{sid}/history")).json()["items"]
         assert [i["text"] for i in history] == ["hello", "Echo: hello", "hi", "Echo: hi"]
+
+
+def approval_of(chunks: list[Any]) -> list[dict[str, Any]]:
+    return [g for g in chunks if g != "[DONE]" and g["type"] == "tool-approval-request"]
+
+
+def answered(message_id: str, asked: list[dict[str, Any]], approved: list[bool]) -> dict[str, Any]:
+    parts = [
+        {
+            "type": "tool-pay",
+            "toolCallId": a["toolCallId"],
+            "state": "approval-responded",
+            "approval": {"id": a["approvalId"], "approved": ok},
+        }
+        for a, ok in zip(asked, approved, strict=True)
+    ]
+    return {"id": message_id, "role": "assistant", "parts": parts}
+
+
+async def test_answering_one_of_two_requests_ends_the_stream_waiting_on_the_other(chat: Any) -> None:
+    c, sid, runs, _ = chat
+    first = await chunks_of(c, "POST", "/v1/chat", {"id": sid, "messages": [user("pay 1 2", "m1")]})
+    asked = approval_of(first)
+    assert len(asked) == 2
+    rest = await asyncio.wait_for(
+        chunks_of(c, "POST", "/v1/chat", {"id": sid, "messages": [answered(first[0]["messageId"], asked[:1], [True])]}),
+        10,
+    )
+    assert rest[-2] == {"type": "finish", "finishReason": "tool-calls"} and not runs
+    run = {
+        "threadId": sid,
+        "runId": "r",
+        "resume": [{"interruptId": asked[1]["approvalId"], "status": "resolved", "payload": {"approved": True}}],
+    }
+    done = await asyncio.wait_for(chunks_of(c, "POST", "/v1/agui", run), 10)
+    assert done[-1]["outcome"] == {"type": "success"} and sorted(runs.values()) == [1, 1]
+
+
+async def test_a_bad_answer_beside_a_good_one_records_neither(chat: Any) -> None:
+    c, sid, runs, _ = chat
+    first = await chunks_of(c, "POST", "/v1/chat", {"id": sid, "messages": [user("pay 3", "m1")]})
+    (asked,) = approval_of(first)
+    bogus = {"approvalId": "req_nope", "toolCallId": "nope"}
+    for run in (
+        {
+            "threadId": sid,
+            "runId": "r",
+            "resume": [
+                {"interruptId": asked["approvalId"], "status": "resolved", "payload": {"approved": True}},
+                {"interruptId": "req_nope", "status": "resolved", "payload": {"approved": True}},
+            ],
+        },
+        {
+            "threadId": sid,
+            "runId": "r",
+            "resume": [
+                {"interruptId": asked["approvalId"], "status": "resolved", "payload": {"approved": True}},
+                {"interruptId": asked["approvalId"], "status": "resolved", "payload": {"approved": "yes"}},
+            ],
+        },
+    ):
+        refused = await c.post("/v1/agui", json=run)
+        assert refused.status_code in (400, 404), refused.text
+    refused = await c.post("/v1/chat", json={"id": sid, "messages": [answered("turn_x", [asked, bogus], [True, True])]})
+    assert refused.status_code == 404
+    info = (await c.get(f"/v1/sessions/{sid}")).json()
+    assert info["status"] == "waiting" and [p["request_id"] for p in info["pending"]] == [asked["approvalId"]]
+    assert not runs
+
+
+async def test_a_turn_cancelled_while_it_waits_ends_both_clients_streams(chat: Any) -> None:
+    c, sid, runs, _ = chat
+    first = await chunks_of(c, "POST", "/v1/chat", {"id": sid, "messages": [user("pay 4", "m1")]})
+    (asked,) = approval_of(first)
+    assert (await c.post(f"/v1/sessions/{sid}/cancel")).status_code == 202
+    # useChat's answer to the withdrawn request: the call is refused, the stream says interrupted
+    rest = await asyncio.wait_for(
+        chunks_of(c, "POST", "/v1/chat", {"id": sid, "messages": [answered(first[0]["messageId"], [asked], [True])]}),
+        10,
+    )
+    assert {"type": "tool-output-denied", "toolCallId": asked["toolCallId"]} in rest
+    assert rest[-2] == {"type": "finish", "finishReason": "interrupted"} and not runs
+    # AG-UI's resume of it (the client must answer every interrupt it holds) ends the run as cancelled
+    run = {"threadId": sid, "runId": "r", "resume": [{"interruptId": asked["approvalId"], "status": "cancelled"}]}
+    done = await asyncio.wait_for(chunks_of(c, "POST", "/v1/agui", run), 10)
+    assert done[-1]["type"] == "RUN_FINISHED" and done[-1]["outcome"] == {"type": "cancelled"}
+
+
+async def test_a_new_message_while_a_turn_waits_for_approval_is_refused(chat: Any) -> None:
+    c, sid, _, _ = chat
+    first = await chunks_of(c, "POST", "/v1/chat", {"id": sid, "messages": [user("pay 5", "m1")]})
+    assert approval_of(first)
+    refused = await c.post("/v1/chat", json={"id": sid, "messages": [user("hello?", "m2")]})
+    assert refused.status_code == 409 and refused.json()["error"]["code"] == "awaiting_approval"
+    agui_refused = await c.post(
+        "/v1/agui", json={"threadId": sid, "runId": "r", "messages": [{"id": "m3", "role": "user", "content": "hi"}]}
+    )
+    assert agui_refused.status_code == 409
+    again = await chunks_of(
+        c, "POST", "/v1/chat", {"id": sid, "messages": [user("pay 5", "m1")]}
+    )  # (its own resend replays)
+    assert approval_of(again) == approval_of(first)
+    assert (await c.get(f"/v1/sessions/{sid}")).json()["queued"] == 0
+
+
+async def test_a_sent_message_edited_is_refused_not_replayed(chat: Any) -> None:
+    c, sid, _, _ = chat
+    await chunks_of(c, "POST", "/v1/chat", {"id": sid, "messages": [user("hello", "m1")]})
+    edited = await c.post("/v1/chat", json={"id": sid, "messages": [user("goodbye", "m1")], "messageId": "m1"})
+    assert edited.status_code == 409 and edited.json()["error"]["code"] == "message_edited"
+    history = (await c.get(f"/v1/sessions/{sid}/history")).json()["items"]
+    assert [i["text"] for i in history] == ["hello", "Echo: hello"]
+
+
+async def test_resume_during_a_compaction_is_nothing_to_resume(chat: Any) -> None:
+    c, sid, _, _ = chat
+    await chunks_of(c, "POST", "/v1/chat", {"id": sid, "messages": [user("hello", "m1")]})
+    assert (await c.post(f"/v1/sessions/{sid}/compact")).status_code == 202
+    assert (await c.get(f"/v1/chat/{sid}/stream")).status_code == 204  # (a compaction is no chat turn)

@@ -180,6 +180,20 @@ async function main() {
     await resuming;
     await chat.until(settled, "the resumed reply");
     finish(chat);
+  } else if (scenario === "replay") {
+    // a UI message stream given on stdin (SSE bytes, as keel sent them), through the
+    // transport's own parser and schema check and readUIMessageStream: the message it makes
+    const body = JSON.parse(await nextLine());
+    const bytes = new ReadableStream({
+      start(c) {
+        c.enqueue(new TextEncoder().encode(body));
+        c.close();
+      },
+    });
+    const stream = new RecordingTransport({ api: "unused" }).processResponseStream(bytes);
+    let last;
+    for await (const m of readUIMessageStream({ stream, terminateOnError: true })) last = m;
+    log("done", { messages: [{ id: last.id, role: last.role, text: textOf(last), parts: last.parts }], chunks: seen, warnings });
   } else if (scenario === "read") {
     // the transport's stream read into UI messages by readUIMessageStream
     const transport = new RecordingTransport({ api: `${base}/v1/chat`, headers });
