@@ -3,20 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
+import socket
 import sys
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import uvicorn
 
-from app import create_app
+from app import create_app, load_agent
 from app.embedded import EmbeddedError, EmbeddedValkey
 from app.lifecycle import KeelServer
 from app.logs import configure as configure_logs
 from app.settings import Settings, SettingsError
 from app.wsproto import KeelWebSocketProtocol
-from harness import Harness
+from harness import Agent, Harness
 from harness.errors import KeelError, Unavailable
 
 log = logging.getLogger("keel")
@@ -33,9 +36,7 @@ def prepare(settings: Settings, *, runs_turns: bool | None = None) -> tuple[str,
             raise SettingsError(exc.message) from None
     if settings.redis_url is None:
         embedded = EmbeddedValkey(settings.data_dir)
-        url = embedded.start()
-        log.info("embedded Valkey at %s, data in %s", url, embedded.data_dir)
-        return url, embedded
+        return embedded.start(), embedded
     try:
         cluster = asyncio.run(Harness.probe(settings.redis_url))
     except Unavailable as exc:
@@ -60,6 +61,44 @@ def uvicorn_options(settings: Settings) -> dict[str, Any]:
     }
 
 
+def listen(settings: Settings) -> socket.socket:
+    """The listening socket at KEEL_HOST:KEEL_PORT (SettingsError, naming KEEL_PORT, when the
+    port is taken), made before anything else starts, so that a busy port costs nothing."""
+    family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((settings.host, settings.port))
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise SettingsError(
+                f"port {settings.port} on {settings.host} is in use: stop what holds it, or set KEEL_PORT to another"
+            ) from None
+        raise SettingsError(f"cannot listen on {settings.host}:{settings.port}: {exc.strerror}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def start_line(settings: Settings, url: str, embedded: EmbeddedValkey | None, agent: Agent) -> str:
+    """keel's first line: where to go, what is served there, the model and the Redis in use."""
+    host = f"[{settings.host}]" if ":" in settings.host else settings.host
+    served = "the demo page at /, the API at /v1" if settings.demo_page else "the API at /v1"
+    auth = "API keys required" if settings.api_keys else "no auth (KEEL_API_KEYS unset: loopback only)"
+    model = settings.model or f"{type(agent.model).__name__} of {settings.agent}"
+    redis = f"embedded Valkey, data in {embedded.data_dir}" if embedded is not None else _without_password(url)
+    return f"keel on http://{host}:{settings.port}/ serving {served}; {auth}; model {model}; Redis {redis}"
+
+
+def _without_password(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rsplit("@", 1)[1]
+    user = f"{parts.username}:***@" if parts.username else ":***@"
+    return urlunsplit((parts.scheme, user + netloc, parts.path, parts.query, parts.fragment))
+
+
 def main() -> int:
     try:
         settings = Settings.from_env()
@@ -67,18 +106,27 @@ def main() -> int:
         print(f"keel: {exc}", file=sys.stderr)
         return 2
     configure_logs(settings, dict(os.environ))
-    if not settings.api_keys:
-        log.warning("KEEL_API_KEYS is unset: no authentication, serving on loopback only")
     try:
-        url, embedded = prepare(settings)
-    except (SettingsError, EmbeddedError) as exc:
+        sock = listen(settings)
+    except SettingsError as exc:
         print(f"keel: {exc}", file=sys.stderr)
         return 1
     try:
-        app = create_app(settings, redis_url=url)
+        url, embedded = prepare(settings)
+    except (SettingsError, EmbeddedError) as exc:
+        sock.close()
+        print(f"keel: {exc}", file=sys.stderr)
+        return 1
+    try:
+        agent = load_agent(settings.agent)
+        app = create_app(settings, redis_url=url, agent=agent)
+        log.info(
+            "%s", start_line(settings, url, embedded, agent.with_model(settings.model) if settings.model else agent)
+        )
         config = uvicorn.Config(app, host=settings.host, port=settings.port, **uvicorn_options(settings))
-        KeelServer(config, app, settings.drain_s).run()
+        KeelServer(config, app, settings.drain_s).run(sockets=[sock])
     finally:
+        sock.close()
         if embedded is not None:
             embedded.stop()
     return 0

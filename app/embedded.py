@@ -11,6 +11,7 @@ import contextlib
 import ctypes
 import fcntl
 import os
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -103,10 +104,9 @@ class EmbeddedValkey:
                 self._proc.kill()
                 self._proc.wait()
         self._proc = None
-        if self._sock_dir:
-            with contextlib.suppress(OSError):
-                os.unlink(f"{self._sock_dir}/valkey.sock")
-                os.rmdir(self._sock_dir)
+        if self._sock_dir:  # (Valkey removes its socket as it stops: the folder goes either way)
+            shutil.rmtree(self._sock_dir, ignore_errors=True)
+            self._sock_dir = ""
         if self._lock is not None:
             self._lock.close()
             self._lock = None

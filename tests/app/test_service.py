@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import signal
+import socket
 import subprocess
 import sys
 import time
@@ -12,7 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import ROOT, free_port
+from app import load_agent
+from tests.conftest import ROOT, ValkeyServer, free_port
 from tests.service import Service
 
 
@@ -110,3 +113,88 @@ def test_start_up_errors_are_one_line(tmp_path: Path, env: dict[str, str], messa
     assert r.returncode != 0
     lines = [ln for ln in r.stderr.splitlines() if not ln.startswith(("WARNING", "INFO")) and " WARNING " not in ln]
     assert len(lines) == 1 and lines[0].startswith(message), r.stderr
+
+
+def first_line(svc: Service, **env: str) -> tuple[subprocess.Popen[str], str]:
+    """`python -m app` started, and its first line on stderr."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "app"],
+        cwd=ROOT,
+        env={**svc.env, "KEEL_LOG_LEVEL": "info", **env},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stderr is not None
+    return proc, proc.stderr.readline()
+
+
+def stop(proc: subprocess.Popen[str], sig: int = signal.SIGTERM) -> int:
+    proc.send_signal(sig)
+    try:
+        return proc.wait(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stderr is not None:
+            proc.stderr.close()
+
+
+def test_the_first_line_says_where_to_go_and_what_runs(tmp_path: Path, valkey: ValkeyServer) -> None:
+    svc = Service(tmp_path, free_port())
+    proc, line = first_line(svc)
+    try:
+        assert f"keel on http://127.0.0.1:{svc.port}/ serving the demo page at /, the API at /v1" in line
+        assert "no auth (KEEL_API_KEYS unset: loopback only)" in line
+        assert f"model {type(load_agent('app.demo:agent').model).__name__} of app.demo:agent" in line
+        assert f"Redis embedded Valkey, data in {svc.data_dir.resolve()}" in line
+    finally:
+        stop(proc)
+    # a Redis of one's own, its password kept out; keys on, no demo page
+    host, port = valkey.url.removeprefix("redis://").split(":")
+    url = f"redis://:not-for-logs@{host}:{port.strip('/')}"
+    proc, line = first_line(svc, REDIS_URL=url, KEEL_API_KEYS="k1", KEEL_PORT=str(free_port()))
+    try:
+        assert "serving the API at /v1; API keys required" in line, line
+        assert f"Redis redis://:***@{host}:{port.strip('/')}" in line and "not-for-logs" not in line
+    finally:
+        stop(proc)
+
+
+def test_a_port_in_use_is_one_line_naming_keel_port(tmp_path: Path) -> None:
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    try:
+        svc = Service(tmp_path, port)
+        r = subprocess.run(
+            [sys.executable, "-m", "app"],
+            check=False,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env=svc.env,
+        )
+    finally:
+        holder.close()
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines() == [
+        f"keel: port {port} on 127.0.0.1 is in use: stop what holds it, or set KEEL_PORT to another"
+    ]
+    assert not (tmp_path / "data").exists()  # nothing was started
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_nothing_is_left_in_the_temp_dir_after_a_stop(tmp_path: Path, sig: int) -> None:
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    svc = Service(tmp_path, free_port(), TMPDIR=str(tmp))
+    svc.start()
+    assert svc.proc is not None
+    assert os.listdir(tmp)  # (the embedded Valkey's socket folder, while it runs)
+    svc.proc.send_signal(sig)
+    assert svc.wait_exit() == 0
+    assert os.listdir(tmp) == []
