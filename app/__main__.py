@@ -1,4 +1,4 @@
-"""`python -m app`: serve keel with the settings from the environment (README: Configuration)."""
+"""`python -m app`: serve keel with the settings from the environment (docs/configuration.md)."""
 
 from __future__ import annotations
 

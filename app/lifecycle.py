@@ -1,4 +1,4 @@
-"""A web process's lifecycle: SIGTERM (or SIGINT) drains it, then it exits 0 (README "Process
+"""A web process's lifecycle: SIGTERM (or SIGINT) drains it, then it exits 0 (docs/production.md "Process
 lifecycle").
 
 The drain, bounded by `KEEL_DRAIN_S`: `/readyz` and new requests answer 503 `draining` with

@@ -1,4 +1,4 @@
-"""Settings from the environment. Every variable is listed in the README's configuration table."""
+"""Settings from the environment. Every variable is listed in docs/configuration.md."""
 
 from __future__ import annotations
 

@@ -31,7 +31,7 @@ async def run(settings: Settings, url: str) -> None:
     else:
         await stop.wait()
     log.info("worker draining (at most %.1f s)", settings.drain_s)
-    try:  # the turns running here go to other processes at once (README: Process lifecycle)
+    try:  # the turns running here go to other processes at once (docs/production.md: Process lifecycle)
         handed = await harness.hand_over(settings.drain_s)
         log.info("drained: %d turns handed over", handed)
     except Exception as exc:  # (Redis gone: the jobs stay pending, and are reclaimed)

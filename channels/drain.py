@@ -1,4 +1,4 @@
-"""A process's drain as its clients see it (SIGTERM; README "Process lifecycle").
+"""A process's drain as its clients see it (SIGTERM; docs/production.md "Process lifecycle").
 
 Once it begins: `/readyz` and every new request answer 503 `draining` with `Retry-After` (the
 load balancer, or the client, goes to another process), new websockets are closed with 1012,

@@ -48,7 +48,7 @@ def file_route(path: str, file: Path, *, events: bool = False) -> Route:
 
 def widget_routes() -> list[Route]:
     widget = file_route("/widget.js", HERE / "widget.js", events=True)
-    answer = Returns(200, str, "The browser widget (see the README)", media="text/javascript")
+    answer = Returns(200, str, "The browser widget (see docs/websocket-and-widget.md)", media="text/javascript")
     operation("The embeddable widget's script", answer, storage=False, tag="static")(widget.endpoint)
     return [widget]
 

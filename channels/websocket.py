@@ -87,7 +87,7 @@ def origin_allowed(ws: WebSocket, origins: tuple[str, ...]) -> bool:
 
 @operation(
     "The session's websocket",
-    Returns(101, None, "Switching protocols: events and frames as `x-websocket` says; closes as the README lists"),
+    Returns(101, None, "Switching protocols: events and frames as `x-websocket` says; closes as the docs list"),
     params=(
         Param("after", {"type": "string", "pattern": "^[0-9]{1,20}-[0-9]{1,20}$"}, "Replay after this event id"),
         Param("token", {"type": "string"}, "A token from `POST .../tokens` (browsers), instead of an API key"),

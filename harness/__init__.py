@@ -1,6 +1,6 @@
 """keel's agent harness: the public face of the durable agent loop.
 
-keel's agent harness: the durable agent loop, in rooms by part (see README "Architecture in a
+keel's agent harness: the durable agent loop, in rooms by part (see docs/architecture.md "Architecture in a
 page"). Imports neither `app` nor `channels`.
 
 The public face: an agent is an `Agent` with `tool`s (`from harness import Agent, ToolContext,

@@ -1,6 +1,6 @@
-"""The agent module README "Your own agent" shows runs as printed: its imports are keel's public
-face (`harness`, `harness.models`), so an agent written for keel before its harness moved into
-rooms runs unchanged."""
+"""The agent module "Your own agent" (docs/agents.md, linked from the README) shows runs as
+printed: its imports are keel's public face (`harness`, `harness.models`), so an agent written
+for keel before its harness moved into rooms runs unchanged."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ from tests.conftest import ROOT
 
 
 def readme_agent() -> str:
-    section = (ROOT / "README.md").read_text().split("## Your own agent", 1)[1]
+    section = (ROOT / "docs" / "agents.md").read_text().split("# Your own agent", 1)[1]
     found = re.search(r"```python\n(# myagent\.py\n.*?)```", section, re.S)
-    assert found is not None, "README's agent module"
+    assert found is not None, "the agent module of docs/agents.md"
     return found.group(1)
 
 
