@@ -1,15 +1,38 @@
-"""The demo agent: a scripted model (no API key, no network) with two harmless tools, so a
-newcomer can see a whole turn, a tool call and page context at work."""
+"""The demo agent: a scripted model (no API key, no network) with three harmless tools (`add`,
+`utc_time`, and `place_order`, a pretend order that asks a person first), so a newcomer can see
+a whole turn, a streamed reply, a tool call, an approval and page context at work."""
 
 from __future__ import annotations
 
+import asyncio
 import re
+from collections.abc import AsyncGenerator
 from datetime import UTC, datetime
 
 from harness import Agent, tool
-from harness.models import ModelReply, ModelRequest, ScriptedModel, ToolCall
+from harness.models import ModelEvent, ModelReply, ModelRequest, ScriptedModel, TextDelta, ToolCall
 
 _ADD = re.compile(r"(-?\d+)\s*(?:\+|plus|and)\s*(-?\d+)")
+CHUNK = 4  # characters a delta
+PACE_S = 0.03  # between deltas: about 130 characters a second, quick but readable
+LONGEST_S = 1.2  # a long reply comes faster, so that none takes longer than this
+
+
+class TypingModel(ScriptedModel):
+    """ScriptedModel that streams its replies as a provider does: `CHUNK` characters a delta,
+    `PACE_S` apart (closer for a long reply, which takes at most `LONGEST_S`). A summary for
+    compaction comes whole: nobody watches it arrive."""
+
+    async def stream(self, request: ModelRequest) -> AsyncGenerator[ModelEvent, None]:
+        reply = await self.reply(request)
+        starts = range(0, len(reply.text), CHUNK)
+        if request.purpose != "compaction" and starts:
+            pause = min(PACE_S, LONGEST_S / len(starts))
+            for start in starts:
+                if start:
+                    await asyncio.sleep(pause)
+                yield TextDelta(reply.text[start : start + CHUNK])
+        yield reply
 
 
 @tool
@@ -74,7 +97,7 @@ agent = Agent(
     name="demo",
     instructions="You are keel's demo agent. Answer briefly.",
     tools=[add, utc_time, place_order],
-    model=ScriptedModel(_reply, keep=0),
+    model=TypingModel(_reply, keep=0),
     runtime_context=[today],
     context_window=32_000,  # compacts automatically near 90% of this (and on POST .../compact)
 )

@@ -1,34 +1,84 @@
 // The demo page: a fake shop whose state is sent as keyed page context with every message.
+// Its own state outlives a reload: the selected lamp is in the URL (#/products/2) and, with
+// the cart, in localStorage. An order the agent placed (a place_order the person approved)
+// goes into the cart: the panel tells the page of each event, and the page counts each order
+// once (a reload replays the conversation's events).
 (async function () {
   "use strict";
-  const state = { route: "/products", selection: "nothing", cart: 0 };
   const $ = (id) => document.getElementById(id);
+  const products = [...document.querySelectorAll(".product")];
+  const KEY = "keel-demo-page";
+  const state = Object.assign({ index: -1, added: 0, orders: [] }, stored());
+  const page = {
+    get route() {
+      return state.index < 0 ? "/products" : "/products/" + (state.index + 1);
+    },
+    get selection() {
+      return state.index < 0 ? "nothing" : products[state.index].dataset.name;
+    },
+    get cart() {
+      return state.added + state.orders.length;
+    },
+  };
+
+  function stored() {
+    try {
+      const saved = JSON.parse(localStorage.getItem(KEY) || "{}");
+      const fine = Number.isInteger(saved.index) && saved.index < products.length;
+      return fine && Number.isInteger(saved.added) && Array.isArray(saved.orders) ? saved : {};
+    } catch (err) {
+      return {}; // unreadable: start afresh
+    }
+  }
+
+  function fromUrl() {
+    // "#/products/2" -> 1; "#/products" -> -1; anything else: the URL says nothing
+    const m = /^#\/products(?:\/(\d+))?$/.exec(location.hash);
+    if (!m) return null;
+    const n = m[1] ? Number(m[1]) - 1 : -1;
+    return n < products.length ? n : null;
+  }
 
   function show() {
-    $("route").textContent = "route: " + state.route;
-    $("cart").textContent = "cart: " + state.cart + (state.cart === 1 ? " item" : " items");
-    $("title").textContent = state.selection === "nothing" ? "Pick a lamp" : state.selection;
-    $("add").disabled = state.selection === "nothing";
-    document.querySelectorAll(".product").forEach((b) => {
-      b.setAttribute("aria-pressed", String(b.dataset.name === state.selection));
-    });
+    $("route").textContent = "route: " + page.route;
+    $("cart").textContent = "cart: " + page.cart + (page.cart === 1 ? " item" : " items");
+    $("title").textContent = page.selection === "nothing" ? "Pick a lamp" : page.selection;
+    $("add").disabled = state.index < 0;
+    products.forEach((b, n) => b.setAttribute("aria-pressed", String(n === state.index)));
+    localStorage.setItem(KEY, JSON.stringify(state));
+    if (location.hash !== "#" + page.route) history.replaceState(null, "", "#" + page.route);
   }
-  document.querySelectorAll(".product").forEach((b, n) => {
+
+  const linked = fromUrl();
+  if (linked !== null) state.index = linked; // a link to a lamp wins over what was stored
+  products.forEach((b, n) => {
     b.addEventListener("click", () => {
-      state.selection = b.dataset.name;
-      state.route = "/products/" + (n + 1);
+      state.index = n;
       show();
     });
   });
+  window.addEventListener("hashchange", () => {
+    const n = fromUrl();
+    if (n !== null) state.index = n;
+    show();
+  });
   $("add").addEventListener("click", () => {
-    state.cart += 1;
+    state.added += 1;
     show();
   });
   $("new").addEventListener("click", () => {
-    localStorage.removeItem("keel-demo-session");
+    localStorage.removeItem("keel-demo-session"); // a new conversation; the page stays as it is
     location.reload();
   });
   show();
+
+  function followed(event) {
+    const d = event.data || {};
+    if (event.type !== "tool.completed" || d.tool !== "place_order" || d.is_error) return;
+    if (state.orders.includes(d.call_id)) return; // counted already (before a reload)
+    state.orders.push(d.call_id);
+    show();
+  }
 
   async function post(path) {
     const r = await fetch(path, { method: "POST", headers: { "content-type": "application/json" }, body: "{}" });
@@ -41,12 +91,14 @@
     session = (await post("/v1/sessions")).session_id;
     localStorage.setItem("keel-demo-session", session);
   }
-  window.keelDemo = { session: session, state: state };
+  window.keelDemo = { session: session, state: page };
   Keel.mount($("assistant"), {
     url: location.origin,
     session: session,
     title: "Acme assistant",
     token: async () => (await post("/v1/sessions/" + session + "/tokens")).token,
-    context: () => ({ route: state.route, selection: state.selection, cart: String(state.cart) }),
+    context: () => ({ route: page.route, selection: page.selection, cart: String(page.cart) }),
+    question: (r) => (r.tool === "place_order" && r.arguments.item ? "Order the " + r.arguments.item + "?" : null),
+    onEvent: followed,
   });
 })();

@@ -7,6 +7,8 @@
        session: "ses_...",                 // the session to show
        token: async () => fetchTokenFromYourBackend(),  // or a string; re-asked on reconnect
        context: () => ({ route: location.pathname, selection: currentSelection() }),
+       question: (request) => null,        // optional: an approval's question in your words
+       onEvent: (event) => {},             // optional: each committed event, once (see below)
      });
    </script>
 
@@ -14,7 +16,14 @@
    the conversation as events arrive (deltas, tool activity, approval requests with Approve and
    Deny), reconnects by itself after `after=<last event id>`, never shows an event twice, and
    resends a message the server has not acknowledged with the same message_id (so it is one
-   message, whatever happened to the connection). All text is set with textContent. */
+   message, whatever happened to the connection). All text is set with textContent.
+
+   An approval card asks in words what will happen, the call's arguments below it: the
+   question is `question({request_id, tool, arguments})` when that returns a string, else one
+   made from the tool's name and its one argument ("Place order: Green lamp?"). `onEvent` gets
+   every committed event the panel shows (`{id, type, data}`; a reloaded page gets the
+   conversation's events again: tell them apart by their ids), so the page can follow what the
+   agent did, e.g. `tool.completed`. */
 (function () {
   "use strict";
 
@@ -24,21 +33,30 @@
   const STYLE = `
 .keel-panel{font:14px/1.4 system-ui,sans-serif;display:flex;flex-direction:column;height:100%;
   border:1px solid #d0d4da;border-radius:8px;background:#fff;color:#1d232b;overflow:hidden}
+.keel-panel *,.keel-panel *::before,.keel-panel *::after{box-sizing:border-box}
 .keel-head{padding:8px 12px;background:#1d232b;color:#fff;font-weight:600;display:flex;gap:8px}
 .keel-status{margin-left:auto;font-weight:400;opacity:.8}
 .keel-log{flex:1;overflow-y:auto;padding:10px;display:flex;flex-direction:column;gap:6px}
-.keel-msg{padding:6px 10px;border-radius:10px;max-width:85%;white-space:pre-wrap;word-wrap:break-word}
+.keel-msg{padding:6px 10px;border-radius:10px;max-width:85%;white-space:pre-wrap;overflow-wrap:anywhere}
 .keel-user{align-self:flex-end;background:#2f6fed;color:#fff}
 .keel-assistant{align-self:flex-start;background:#eef0f3}
-.keel-tool{align-self:flex-start;font-size:12px;color:#4a5563;font-family:ui-monospace,monospace}
+.keel-tool{align-self:flex-start;max-width:100%;font-size:12px;color:#4a5563;font-family:ui-monospace,monospace;
+  overflow-wrap:anywhere}
 .keel-note{align-self:center;font-size:12px;color:#6b7380}
 .keel-error{align-self:stretch;font-size:12px;color:#a12121;background:#fdecec;padding:4px 8px;border-radius:6px}
-.keel-approval{align-self:stretch;border:1px solid #e0b84a;background:#fff8e6;border-radius:8px;padding:8px}
-.keel-approval button{margin-right:6px}
+.keel-approval{align-self:stretch;border:1px solid #e0b84a;background:#fff8e6;border-radius:8px;padding:8px;
+  display:flex;flex-direction:column;gap:6px;overflow-wrap:anywhere}
+.keel-question{font-weight:600}
+.keel-args{margin:0;font-size:12px;color:#4a5563;display:grid;grid-template-columns:auto minmax(0,1fr);gap:2px 8px}
+.keel-args dt{font-family:ui-monospace,monospace}
+.keel-args dd{margin:0;white-space:pre-wrap}
+.keel-call{font-size:12px;color:#4a5563;font-family:ui-monospace,monospace}
+.keel-actions{display:flex;flex-wrap:wrap;gap:6px}
 .keel-thinking{align-self:flex-start;color:#6b7380;font-style:italic}
 .keel-form{display:flex;border-top:1px solid #d0d4da}
-.keel-input{flex:1;border:0;padding:10px;font:inherit;outline:none}
-.keel-send{border:0;background:#2f6fed;color:#fff;padding:0 16px;font:inherit;cursor:pointer}`;
+.keel-input{flex:1;min-width:0;border:0;padding:10px;font:inherit;outline:none}
+.keel-send{border:0;background:#2f6fed;color:#fff;padding:0 16px;font:inherit;cursor:pointer}
+@media (max-width:480px){.keel-input{font-size:16px}}`; /* (16 px: a phone does not zoom into it) */
 
   function el(tag, cls, text) {
     const node = document.createElement(tag);
@@ -47,13 +65,34 @@
     return node;
   }
 
+  // "place_order" (or "placeOrder") -> "Place order"
+  function words(name) {
+    const said = String(name).replace(/([a-z0-9])([A-Z])/g, "$1 $2").replace(/[_\-.\s]+/g, " ").trim().toLowerCase();
+    return said.charAt(0).toUpperCase() + said.slice(1);
+  }
+
+  function shown(value) {
+    return typeof value === "string" ? value : JSON.stringify(value);
+  }
+
+  // An approval's question when the page gives none: the tool's name in words, with its
+  // argument when it has one that reads as a word or a number ("Place order: Green lamp?")
+  function question(r) {
+    const values = Object.values(r.arguments || {});
+    const one = values.length === 1 && (values[0] === null || typeof values[0] !== "object");
+    return words(r.tool) + (one ? ": " + shown(values[0]) : "") + "?";
+  }
+
   function newId() {
     if (window.crypto && crypto.randomUUID) return "w-" + crypto.randomUUID();
     return "w-" + Date.now().toString(36) + Math.random().toString(36).slice(2);
   }
 
   function mount(root, options) {
-    const opts = Object.assign({ url: location.origin, title: "Assistant", context: null }, options);
+    const opts = Object.assign(
+      { url: location.origin, title: "Assistant", context: null, question: null, onEvent: null },
+      options,
+    );
     if (!opts.session) throw new Error("Keel.mount needs options.session");
     if (!document.getElementById("keel-style")) {
       const style = el("style");
@@ -142,6 +181,7 @@
           seen.add(frame.id);
           lastId = frame.id;
           render(frame);
+          tell(frame);
         } else if (frame.type === EV.MessageDelta) {
           render(frame); // transient, no id: never counted as seen, never a resume point
         } else if (frame.type === "error") {
@@ -156,6 +196,15 @@
         if (ev.code === 4401 && typeof opts.token !== "function") return setStatus("unauthorized");
         later("reconnecting");
       };
+    }
+
+    function tell(frame) {
+      if (!opts.onEvent) return;
+      try {
+        opts.onEvent(frame);
+      } catch (err) {
+        console.error("Keel.mount onEvent:", err); // the page's bug: the panel goes on
+      }
     }
 
     function later(why) {
@@ -201,6 +250,7 @@
           // transient: appended only where it continues the text (offset, in code points);
           // the committed message.completed replaces it, and later deltas of it are ignored
           if (completed.has(d.item_id)) break;
+          think(false); // the text itself shows the agent at work now
           let node = nodes.get(d.item_id);
           if (!node) {
             node = add(el("div", "keel-msg keel-assistant", ""), null);
@@ -219,6 +269,7 @@
           break;
         }
         case EV.MessageCompleted: {
+          think(false);
           completed.add(d.item_id);
           partial.delete(d.item_id);
           const node = nodes.get(d.item_id);
@@ -230,6 +281,7 @@
           break;
         }
         case EV.ToolStarted: {
+          think(false);
           const args = Object.entries(d.arguments || {}).map(([k, v]) => k + "=" + JSON.stringify(v));
           const node = add(el("div", "keel-tool", "⚙ " + d.tool + "(" + args.join(", ") + ") …"), ev.id);
           nodes.set(d.call_id, node);
@@ -249,7 +301,8 @@
         case EV.InputResolved: {
           const card = nodes.get(d.request_id);
           if (card) {
-            card.querySelectorAll("button").forEach((b) => b.remove());
+            const actions = card.querySelector(".keel-actions");
+            if (actions) actions.remove();
             const said = { approve: "approved", deny: "denied", withdrawn: "withdrawn" }[d.decision];
             card.appendChild(el("div", "keel-note", said || d.decision));
             card.dataset.decision = d.decision;
@@ -275,11 +328,28 @@
       }
     }
 
+    function asked(r) {
+      let said = null;
+      try {
+        said = opts.question ? opts.question(r) : null;
+      } catch (err) {
+        console.error("Keel.mount question:", err);
+      }
+      return typeof said === "string" && said.trim() ? said : question(r);
+    }
+
     function approval(r, eventId) {
+      // what will happen, in words; then the call itself: the tool and each argument
       const card = el("div", "keel-approval");
       card.dataset.requestId = r.request_id;
-      const args = JSON.stringify(r.arguments || {});
-      card.appendChild(el("div", "", "Allow " + r.tool + " " + args + "?"));
+      card.appendChild(el("div", "keel-question", asked(r)));
+      card.appendChild(el("div", "keel-call", "⚙ " + r.tool));
+      const args = el("dl", "keel-args");
+      for (const [name, value] of Object.entries(r.arguments || {})) {
+        args.append(el("dt", "", name), el("dd", "", shown(value)));
+      }
+      if (args.childElementCount) card.appendChild(args);
+      const actions = el("div", "keel-actions");
       for (const [label, decision] of [["Approve", "approve"], ["Deny", "deny"]]) {
         const button = el("button", "", label);
         button.type = "button";
@@ -287,8 +357,9 @@
           card.querySelectorAll("button").forEach((b) => (b.disabled = true));
           transmit({ type: "respond", request_id: r.request_id, decision: decision });
         };
-        card.appendChild(button);
+        actions.appendChild(button);
       }
+      card.appendChild(actions);
       nodes.set(r.request_id, add(card, eventId));
     }
 

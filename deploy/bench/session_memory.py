@@ -36,12 +36,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from support import Deadline, start_valkey, stop_process  # the sibling module: this file runs as a script
 
-from app import build_harness
-from app.demo import agent
+from app import build_harness, demo
 from app.settings import Settings
 from harness import Harness
+from harness.models import ScriptedModel
 from harness.store import Client as Redis
 
+# the demo agent, its replies whole (the demo types them out for a person, ~1 s a turn)
+agent = demo.agent.with_model(ScriptedModel(demo._reply, keep=0))
 OWNER = "bench"
 TEXT = "Which of these lamps would suit a small reading corner? (turn {n})"
 

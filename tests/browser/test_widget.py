@@ -7,15 +7,15 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from app import load_agent
-from harness import Agent
-from harness.models import ModelEvent, ModelReply, ModelRequest, TextDelta
+from harness import Agent, tool
+from harness.models import ModelEvent, ModelReply, ModelRequest, ScriptedModel, TextDelta, ToolCall
 
 pytestmark = pytest.mark.browser
 CHROMIUM = os.environ.get("KEEL_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
@@ -112,7 +112,10 @@ async def test_approve_a_tool_from_the_panel(page: Page) -> None:
     await page.get_by_role("button", name="Green lamp").click()
     await say(page, "order it")
     card = page.locator(".keel-approval")
-    await expect(card).to_contain_text('Allow place_order {"item":"Green lamp"}?')
+    await expect(card.locator(".keel-question")).to_have_text("Order the Green lamp?")  # the page's words
+    await expect(card.locator(".keel-call")).to_have_text("⚙ place_order")  # the call, below
+    await expect(card.locator("dt")).to_have_text(["item"])
+    await expect(card.locator("dd")).to_have_text(["Green lamp"])
     await shot(page, "widget-approval")
     await card.get_by_role("button", name="Approve").click()
     await expect(card).to_have_attribute("data-decision", "approve")
@@ -125,7 +128,7 @@ async def test_approve_a_tool_from_the_panel(page: Page) -> None:
 
 async def test_reload_and_restart_mid_turn_resume_without_duplicates(page: Page, serve: Any) -> None:
     await say(page, "hello")
-    await expect(page.locator(".keel-assistant")).to_have_count(1)
+    await expect(page.locator(".keel-assistant[data-event-id]")).to_have_count(1)  # streamed, then committed
     await page.get_by_role("button", name="Blue lamp").click()
     await say(page, "order it")
     await expect(page.locator(".keel-approval")).to_have_count(1)  # the turn waits for a person
@@ -159,7 +162,7 @@ class Typing:
     def __init__(self) -> None:
         self.more = asyncio.Event()
 
-    async def stream(self, request: ModelRequest) -> AsyncIterator[ModelEvent]:
+    async def stream(self, request: ModelRequest) -> AsyncGenerator[ModelEvent, None]:
         if request.messages[-1].role != "user":
             yield ModelReply(text="done")
             return
@@ -203,4 +206,39 @@ async def test_the_partial_text_of_a_cancelled_reply_goes_away(browser: Browser,
     async with live.client() as c:
         assert (await c.post(f"/v1/sessions/{sid}/cancel")).status_code == 202
     await expect(reply).to_have_count(0)  # the turn ended without it: nothing of it stays shown
+    await context.close()
+
+
+async def test_an_approval_card_without_the_pages_words_says_it_from_the_tool(browser: Browser, serve: Any) -> None:
+    @tool(approval=True)
+    def delete_file(path: str) -> str:
+        """Delete a file."""
+        return "deleted"
+
+    @tool(approval=True)
+    def sendEmail(to: str, subject: str) -> str:  # (a camelCase name reads as words too)
+        """Send an email."""
+        return "sent"
+
+    def script(r: ModelRequest) -> ModelReply:
+        if r.messages[-1].role == "tool":
+            return ModelReply(text="done")
+        calls = [
+            ToolCall("delete_file", {"path": "/tmp/notes.txt"}),
+            ToolCall("sendEmail", {"to": "ada@x", "subject": "hi"}),
+        ]
+        return ModelReply(tool_calls=calls)
+
+    live = await serve(
+        Agent(instructions="t", tools=[delete_file, sendEmail], model=ScriptedModel(script)), demo_page=True
+    )
+    context = await browser.new_context(base_url=live.base)
+    page = await context.new_page()
+    await page.goto("/")
+    await expect(page.locator("#assistant")).to_have_attribute("data-keel-status", "connected", timeout=10_000)
+    await say(page, "tidy up")
+    cards = page.locator(".keel-approval")
+    await expect(cards.locator(".keel-question")).to_have_text(["Delete file: /tmp/notes.txt?", "Send email?"])
+    await expect(cards.last.locator("dt")).to_have_text(["to", "subject"])  # each argument, below
+    await expect(cards.last.locator("dd")).to_have_text(["ada@x", "hi"])
     await context.close()
