@@ -163,6 +163,7 @@ def create_app(
         },
         lifespan=lifespan,
     )
+    app.router.redirect_slashes = False  # (its redirect's Location is the request's Host: a 404 instead)
     app.state.max_body = settings.max_body
     app.state.body_timeout = settings.body_timeout
     app.state.webhook_allow_private = settings.webhook_allow_private

@@ -30,9 +30,10 @@ SHAPES = (
     ("xox", re.compile(r"(?<![A-Za-z0-9])xox[a-z]-[A-Za-z0-9\-]+")),
     ("sk-", re.compile(r"(?<![A-Za-z0-9])sk-[A-Za-z0-9_\-]{8,}")),
     ("token=", re.compile(r"(token=)[^&\s\"']+")),
+    ("key=", re.compile(r"(key=)[^&\s\"']+")),
+    ("secret=", re.compile(r"(secret=)[^&\s\"']+")),
     ("earer", re.compile(r"([Bb]earer\s+)[^\s\"',]+")),
 )
-MIN_SECRET = 6  # shorter values are not secrets worth a scan of every line (and would over-match)
 _enc = msgspec.json.Encoder()
 
 
@@ -48,7 +49,7 @@ def secrets_of(settings: Settings, env: dict[str, str]) -> list[str]:
         env.get("ANTHROPIC_API_KEY"),
         env.get("OPENAI_API_KEY"),
     ]
-    return sorted({v for v in values if v and len(v) >= MIN_SECRET}, key=len, reverse=True)
+    return sorted({v for v in values if v}, key=len, reverse=True)  # (whatever their length)
 
 
 class Redactor:

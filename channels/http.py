@@ -7,6 +7,7 @@ written unless the whole request was valid (I10)."""
 from __future__ import annotations
 
 import asyncio
+import re
 from typing import Any, Literal
 
 import msgspec
@@ -45,6 +46,7 @@ from harness.types import SessionInfo
 
 _enc = msgspec.json.Encoder()
 MAX_WAIT_S = 300.0
+SECONDS = re.compile(r"[0-9]{1,6}(\.[0-9]{1,6})?", re.ASCII)
 HISTORY_PAGE, HISTORY_PAGE_MAX = 500, 1000
 
 
@@ -150,14 +152,15 @@ async def send_message(request: Request) -> Response:
     wait = flag(request, "wait")
     timeout = request.app.state.wait_timeout
     if "timeout" in request.query_params:
-        try:
-            timeout = min(float(request.query_params["timeout"]), MAX_WAIT_S)
-        except ValueError:
-            raise ChannelError(400, "invalid_query", "?timeout= takes seconds") from None
+        raw = request.query_params["timeout"]
+        if not SECONDS.fullmatch(raw):  # (ASCII digits only, as every number in a query)
+            raise ChannelError(400, "invalid_query", "?timeout= takes seconds, like 30 or 2.5")
+        timeout = min(float(raw), MAX_WAIT_S)
         if not timeout > 0:
             raise ChannelError(400, "invalid_query", "?timeout= must be positive")
     body = decode(send_message_decoder, await read_body(request))
     harness = harness_of(request)
+    await harness.sessions.admissible(sid, owner_of(request), body.message_id)  # (bad input spends no token)
     await harness.quotas.admit(owner_of(request))
     if wait:
         turn = await harness.sessions.submit_and_wait(
@@ -232,6 +235,7 @@ async def _operation(request: Request, kind: Literal["compact", "clear"]) -> Res
     decode(empty_decoder, await read_body(request), empty_ok=True)
     harness = harness_of(request)
     if kind == "compact":  # (a compaction calls the model: it counts like a message)
+        await harness.sessions.admissible(sid, owner_of(request))
         await harness.quotas.admit(owner_of(request))
     op = harness.sessions.compact if kind == "compact" else harness.sessions.clear
     op_id = await op(sid, owner_of(request))

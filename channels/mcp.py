@@ -271,6 +271,8 @@ class McpChannel:
             return _error(exc)
 
     async def _send_message(self, harness: Harness, owner: str, args: SendArgs) -> TurnAnswer:
+        if args.session_id is not None:  # (bad input spends no token)
+            await harness.sessions.admissible(args.session_id, owner)
         await harness.quotas.admit(owner)
         sid = args.session_id if args.session_id is not None else await harness.sessions.create(owner)
         turn = await harness.sessions.submit_and_wait(

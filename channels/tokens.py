@@ -43,6 +43,8 @@ class TokenSigner:
             payload, given = _unb64(body), _unb64(mac)
         except ValueError:
             return None
+        if _b64(payload) != body or _b64(given) != mac:  # only the canonical encoding: one string per token
+            return None
         if not hmac.compare_digest(self._mac(payload), given):
             return None
         parts = payload.decode("utf-8", "replace").split("|")

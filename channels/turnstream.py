@@ -303,6 +303,7 @@ class TurnReader:
         waiting = await harness.sessions.waiting_on(sid, owner)
         if waiting is not None and waiting != message_id:  # (its stream would wait behind the approval)
             raise ChannelError(409, "awaiting_approval", "the session's turn waits for approval: answer it first")
+        await harness.sessions.admissible(sid, owner, message_id)  # (bad input spends no token)
         await harness.quotas.admit(owner)
         self.take_place()
         armed = harness.sessions.arm(sid)

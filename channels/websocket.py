@@ -273,6 +273,7 @@ class Connection:
         sessions, quotas, sid, owner = self.harness.sessions, self.harness.quotas, self.sid, self.owner
         match frame:
             case WsMessage(text=text, context=context, message_id=message_id):
+                await sessions.admissible(sid, owner, message_id)  # (bad input spends no token)
                 await quotas.admit(owner)
                 await sessions.submit(sid, owner, text, context, message_id)
             case WsRespond(request_id=rid, decision=decision, reason=reason):
@@ -280,6 +281,7 @@ class Connection:
             case WsCancel(turn_id=turn_id):
                 await sessions.cancel(sid, owner, turn_id)
             case WsCompact():
+                await sessions.admissible(sid, owner)
                 await quotas.admit(owner)
                 await sessions.compact(sid, owner)
             case WsClear():

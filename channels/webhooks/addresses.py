@@ -22,9 +22,19 @@ class Refused(ValueError):
     """The URL, or an address it resolves to, is not a place keel delivers to."""
 
 
-# IPv6 ranges that carry an IPv4 address a network may route to (NAT64, 6to4, the deprecated
-# IPv4-compatible form): refused outright rather than trusting what they embed
-EMBEDDING = [ipaddress.ip_network(n) for n in ("64:ff9b::/96", "64:ff9b:1::/48", "2002::/16", "::/96")]
+# IPv6 ranges that carry an IPv4 address a network may route to: refused outright rather than
+# trusting what they embed (the IPv4-mapped form, ::ffff:0:0/96, is judged by its IPv4 address)
+EMBEDDING = [
+    ipaddress.ip_network(n)
+    for n in (
+        "64:ff9b::/96",  # NAT64
+        "64:ff9b:1::/48",  # NAT64, local use
+        "2002::/16",  # 6to4
+        "2001::/32",  # Teredo
+        "::/96",  # IPv4-compatible (deprecated)
+        "::ffff:0:0:0/96",  # IPv4-translated (SIIT)
+    )
+]
 
 
 def public(address: str) -> bool:

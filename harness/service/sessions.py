@@ -56,6 +56,11 @@ def check_session_id(sid: str) -> str:
     return sid
 
 
+def check_message_id(message_id: str) -> None:
+    if not MESSAGE_ID.match(message_id):
+        raise InvalidInput("message_id must be 1 to 128 characters of A-Z a-z 0-9 . _ : -", code="invalid_message_id")
+
+
 class Sessions:
     def __init__(self, store: Store, runner: Runner | None) -> None:
         self.store = store
@@ -88,10 +93,8 @@ class Sessions:
         check_session_id(sid)
         if message_id is None:
             message_id = new_id("msg")
-        elif not MESSAGE_ID.match(message_id):
-            raise InvalidInput(
-                "message_id must be 1 to 128 characters of A-Z a-z 0-9 . _ : -", code="invalid_message_id"
-            )
+        else:
+            check_message_id(message_id)
         turn_only, sticky = split_context(context)
         message = InboxMessage(
             message_id=message_id, turn_id=new_id("turn"), text=text, context=turn_only, sticky=sticky, author=author
@@ -138,6 +141,15 @@ class Sessions:
             raise
         runner.adopt(sid, submitted.job, submitted.began)
         return submitted
+
+    async def admissible(self, sid: str, owner: str, message_id: str | None = None) -> None:
+        """What `submit` (or a compact) would refuse as bad input, checked before a rate-limit
+        token is spent on it: a session id or message id of the wrong shape (InvalidInput), a
+        session that is not there or not `owner`'s (NotFound; free for one this process knows)."""
+        check_session_id(sid)
+        if message_id is not None:
+            check_message_id(message_id)
+        await self.store.look(sid, owner)
 
     async def respond(
         self,

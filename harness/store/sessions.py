@@ -367,10 +367,8 @@ class Store:
         `destinations`), in one round trip. A session this process has not seen is looked up
         first (unless not `look_first`), so a request for an unknown one writes nothing; without
         the look, a request for an unknown one leaves a job that finds nothing to do."""
-        if look_first and self._known.get(sid) != owner:
-            if await self.redis.hget(SessionKeys(sid).meta, "owner") != owner.encode():
-                raise _missing(sid)
-            self._remember(sid, owner)
+        if look_first:
+            await self.look(sid, owner)
         keys = script.keys(SessionKeys(sid))
         also = [self.jobs.job(sid), *(relay_job(sid, d) for d in destinations)]
         raw, job_id, *_ = await self.wire.script_with(script.sha, script.source, keys, script.args(args), also)
@@ -380,6 +378,15 @@ class Store:
             raise _missing(sid)
         self._remember(sid, owner)
         return res, JobId.parse(job_id.decode())
+
+    @translated
+    async def look(self, sid: str, owner: str) -> None:
+        """NotFound unless the session is there and `owner`'s: free for a session this process
+        has seen (its scripts check the owner again), one read for another."""
+        if self._known.get(sid) != owner:
+            if await self.redis.hget(SessionKeys(sid).meta, "owner") != owner.encode():
+                raise _missing(sid)
+            self._remember(sid, owner)
 
     def _settled(self, sid: str) -> None:
         """A turn here settled: if its owner has webhooks this process may not have queued a

@@ -159,3 +159,33 @@ async def test_token_minting_is_limited_per_session_by_default(serve: Any) -> No
 
     assert str(Settings().token_rate) == "60/min" and Settings.from_env({}).token_rate == Settings().token_rate
     assert Settings.from_env({"KEEL_TOKEN_RATE_LIMIT": "off"}).token_rate is None
+
+
+async def test_bad_input_spends_no_rate_limit_token(serve: Any) -> None:
+    """Refused as bad input (400) or for a session that is not there (404): no token taken, on
+    every route the rate limit counts (messages, compactions, frontend messages, websocket)."""
+    live = await serve(echo_agent(), api_keys=KEYS, rate_limit=RateLimit(3, 60))
+    async with authed(live, KEYS[0]) as c:
+        sid = (await c.post("/v1/sessions")).json()["session_id"]  # (1 of 3)
+        for _ in range(4):
+            bad = await c.post(f"/v1/sessions/{sid}/messages", json={"text": "hi", "message_id": "a b"})
+            assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_message_id"
+            gone = await c.post("/v1/sessions/ses_0000000000000000000000000/messages", json={"text": "hi"})
+            assert gone.status_code == 404
+            assert (await c.post("/v1/sessions/ses_0000000000000000000000000/compact")).status_code == 404
+            chat = {"id": sid, "messages": [{"id": "a b", "role": "user", "parts": [{"type": "text", "text": "hi"}]}]}
+            assert (await c.post("/v1/chat", json=chat)).status_code == 400
+        async with connect(
+            f"{live.ws_base}/v1/sessions/{sid}/ws", additional_headers={"Authorization": f"Bearer {KEYS[0]}"}
+        ) as ws:
+            for _ in range(3):
+                await ws.send(json.dumps({"type": "message", "text": "hi", "message_id": "a b", "ref": "r"}))
+                frame = json.loads(await asyncio.wait_for(ws.recv(), 5))
+                while frame.get("type") != "error":
+                    frame = json.loads(await asyncio.wait_for(ws.recv(), 5))
+                assert frame["error"]["code"] == "invalid_message_id"
+        ok = await c.post(f"/v1/sessions/{sid}/messages", json={"text": "hi"})  # (2 of 3)
+        assert ok.status_code == 202, ok.text
+        assert (await c.post(f"/v1/sessions/{sid}/compact")).status_code == 202  # (3 of 3)
+        over = await c.post(f"/v1/sessions/{sid}/messages", json={"text": "hi"})
+        assert over.status_code == 429

@@ -19,6 +19,8 @@ INSIDE = [
     "https://0177.0.0.1/hook",  # ... in octal
     "https://[::1]/hook",
     "https://[::ffff:127.0.0.1]/hook",  # IPv4-mapped IPv6
+    "https://[::ffff:0:7f00:1]/hook",  # IPv4-translated IPv6 (a hostile probe's find)
+    "https://[::ffff:0:a9fe:a9fe]/latest/meta-data/",  # ... the metadata service
     "https://10.1.2.3/hook",
     "https://192.168.0.1/hook",
     "https://169.254.169.254/latest/meta-data",  # link-local: the cloud metadata service
