@@ -144,7 +144,11 @@ async def create_session(request: Request) -> Response:
     },
     params=(
         Param("wait", {"type": "boolean"}, "Answer when the turn settles (200) instead of at once (202)"),
-        Param("timeout", {"type": "number", "exclusiveMinimum": 0}, "With `wait`: seconds (at most 300)"),
+        Param(
+            "timeout",
+            {"type": "string", "pattern": r"^[0-9]{1,6}(\.[0-9]{1,6})?$"},
+            "With `wait`: seconds, ASCII digits (at most 300)",
+        ),
     ),
 )
 async def send_message(request: Request) -> Response:
