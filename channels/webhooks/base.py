@@ -60,7 +60,7 @@ class Decide:
     request_id: str | None
     decision: str
     by: str
-    origin: Mapping[str, Any] | None = field(default=None, compare=False)  # the provider's payload, for notes
+    origin: Mapping[str, Any] | None = field(default=None, compare=False)  # where a note goes (channel, thread)
     otherwise: Submit | None = None
 
 

@@ -1,15 +1,17 @@
 """The Linear channel: agent sessions (`AgentSessionEvent` webhooks), on the webhook seam.
 
-Inbound: `POST /v1/linear/webhook`, signed by Linear (`Linear-Signature`: hex HMAC-SHA256 of
-the raw body, checked in constant time before anything is parsed), `webhookTimestamp` within
-60 s. A Linear agent session is one keel session (its id derived from Linear's, owned by
-`linear:<organization>`). `created` starts it: its `promptContext` (the issue, comments,
-guidance) is keyed page context `linear` (the model sees the newest one every turn; it never
-enters history), and the comment that mentioned the agent, if any, is the first message.
-`prompted` is a new message (the user's activity body); with the `stop` signal it cancels the
-turn in progress instead; while an approval waits, a prompt that is a selection or says approve
-or deny answers it. Message ids come from Linear's (the session's for `created`, the prompt
-activity's for `prompted`), so a redelivery (`Linear-Delivery`) or replay is one message.
+Inbound: `POST /v1/linear/webhook`, signed by Linear (`Linear-Signature`: hex HMAC-SHA256 of the
+raw body, checked in constant time before anything is parsed), `webhookTimestamp` within 60 s;
+then decoded with the Structs of `types`: a signed payload of another shape is 400
+`invalid_payload` and changes nothing. A Linear agent session is one keel session (its id
+derived from Linear's, owned by `linear:<organization>`). `created` starts it: its
+`promptContext` (the issue, comments, guidance) is keyed page context `linear` (the model sees
+the newest one every turn; it never enters history), and the comment that mentioned the agent,
+if any, is the first message. `prompted` is a new message (the user's activity body); with the
+`stop` signal it cancels the turn in progress instead; while an approval waits, a prompt that is
+a selection or says approve or deny answers it. Message ids come from Linear's (the session's
+for `created`, the prompt activity's for `prompted`), so a redelivery (`Linear-Delivery`) or
+replay is one message.
 
 Outbound: `linear_out.LinearDestination` (agent activities), driven by the delivery relay."""
 
@@ -17,18 +19,17 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 import logging
 import re
 import time
 from dataclasses import dataclass
-from typing import Any
 
 from starlette.datastructures import Headers
 from starlette.responses import Response
 
 from channels.webhooks.base import Call, Cancel, Decide, Later, Submit, conversation_session
 from channels.webhooks.linear_out import LinearDestination
+from channels.webhooks.types import AgentSessionEvent, agent_session_event_decoder, decode, kind_decoder, stamp_decoder
 from harness.errors import KeelError
 from harness.relay import Destination, Outbound
 
@@ -76,24 +77,23 @@ class LinearChannel:
         if not hmac.compare_digest(expected.encode(), given.strip().lower().encode()):
             return False
         try:  # signed: now the freshness of what was signed
-            stamp = json.loads(body).get("webhookTimestamp")
-        except (ValueError, AttributeError):
+            stamp = decode(stamp_decoder, body, "the webhook").webhook_timestamp
+        except ValueError:
             return False
-        return isinstance(stamp, int | float) and abs(time.time() * 1000 - stamp) <= WINDOW_MS
+        return abs(time.time() * 1000 - stamp) <= WINDOW_MS
 
     def interpret(self, route: str, body: bytes, headers: Headers) -> list[Call] | Response:
-        payload = json.loads(body)
-        if not isinstance(payload, dict) or payload.get("type") != "AgentSessionEvent":
+        if decode(kind_decoder, body, "the webhook").type != "AgentSessionEvent":
             return []
-        agent_session = payload.get("agentSession") or {}
-        sid_linear, org = agent_session.get("id"), payload.get("organizationId")
-        if not isinstance(sid_linear, str) or not LINEAR_ID.match(sid_linear) or not isinstance(org, str):
+        event = decode(agent_session_event_decoder, body, "AgentSessionEvent")
+        sid_linear = event.agent_session.id
+        if not LINEAR_ID.match(sid_linear):
             return []
-        sid, owner = session_for(sid_linear), f"linear:{org}"
-        if payload.get("action") == "created":
-            return [self._created(payload, agent_session, sid, owner)]
-        if payload.get("action") == "prompted":
-            return self._prompted(payload, sid, owner)
+        sid, owner = session_for(sid_linear), f"linear:{event.organization_id}"
+        if event.action == "created":
+            return [self._created(event, sid, owner)]
+        if event.action == "prompted":
+            return self._prompted(event, sid, owner)
         return []
 
     def rejected(self, call: Call, error: KeelError) -> Later | None:
@@ -110,40 +110,40 @@ class LinearChannel:
 
         return Later(run)
 
-    def _created(self, payload: dict[str, Any], agent_session: dict[str, Any], sid: str, owner: str) -> Submit:
-        comment = (agent_session.get("comment") or {}).get("body")
-        issue = agent_session.get("issue") or {}
-        text = comment if isinstance(comment, str) and comment.strip() else "Please work on this issue."
-        context = payload.get("promptContext")
+    def _created(self, event: AgentSessionEvent, sid: str, owner: str) -> Submit:
+        session = event.agent_session
+        comment = session.comment.body if session.comment else None
+        text = comment if comment and comment.strip() else "Please work on this issue."
         where = {
             "linear": {
-                "agent_session": agent_session["id"],
-                "organization": payload["organizationId"],
-                "issue": issue.get("identifier") if isinstance(issue, dict) else None,
+                "agent_session": session.id,
+                "organization": event.organization_id,
+                "issue": session.issue.identifier if session.issue else None,
             }
         }
-        creator = (agent_session.get("creator") or {}).get("id") or ""
+        context = event.prompt_context
         return Submit(
             session_id=sid,
             owner=owner,
             text=text,
-            message_id=f"linear:{agent_session['id']}",
-            author=str(creator),
-            context={"linear": str(context)} if isinstance(context, str) and context else None,
+            message_id=f"linear:{session.id}",
+            author=(session.creator.id if session.creator else None) or "",
+            context={"linear": context} if context else None,
             create=where,
         )
 
-    def _prompted(self, payload: dict[str, Any], sid: str, owner: str) -> list[Call]:
-        activity = payload.get("agentActivity") or {}
-        activity_id = activity.get("id")
-        if not isinstance(activity_id, str) or not LINEAR_ID.match(activity_id):
+    def _prompted(self, event: AgentSessionEvent, sid: str, owner: str) -> list[Call]:
+        activity = event.agent_activity
+        if activity is None or not LINEAR_ID.match(activity.id):
             return []
-        user = str(activity.get("userId") or (activity.get("user") or {}).get("id") or "")
-        if activity.get("signal") == "stop":
-            return [Cancel(session_id=sid, owner=owner, once=f"linear:{activity_id}")]
-        content = activity.get("content") or {}
-        text = str(content.get("body") or activity.get("body") or "").strip() or "(no text)"
-        message = Submit(session_id=sid, owner=owner, text=text, message_id=f"linear:{activity_id}", author=user)
+        user = activity.user_id or (activity.user.id if activity.user else None) or ""
+        if activity.signal == "stop":
+            # (kept apart from the message ids, which have no second colon: the store keeps
+            # both in one place, and a message id that names a stop is not a message there)
+            return [Cancel(session_id=sid, owner=owner, once=f"linear:stop:{activity.id}")]
+        body = (activity.content.body if activity.content else None) or activity.body or ""
+        text = body.strip() or "(no text)"
+        message = Submit(session_id=sid, owner=owner, text=text, message_id=f"linear:{activity.id}", author=user)
         decision = "approve" if APPROVE.match(text) else "deny" if DENY.match(text) else None
         if decision is None:
             return [message]

@@ -2,14 +2,16 @@
 
 Inbound: `POST /v1/slack/events` and `POST /v1/slack/interactivity`, signed by Slack (`v0`
 HMAC-SHA256 of the raw body, 300 s window, checked in constant time by slack_sdk's
-SignatureVerifier before anything is parsed). A conversation is one keel session per (team,
-channel, thread root `ts`), its id derived from them, owned by `slack:<team>`; a message's id
-is derived from (team, channel, ts), so Slack's retries, a message delivered both as
-`app_mention` and as `message`, and replays are one message. An `app_mention`, a direct
-message, or a message naming the bot starts (or continues) a conversation; a plain reply in a
-thread continues it only if keel is already in that thread. The bot's own posts, edits,
-deletions and joins are ignored. Who wrote the message and where travels as this turn's page
-context, never in history.
+SignatureVerifier before anything is parsed), then decoded with the Structs of `types` (the
+fields keel reads, typed; others, and events keel does not take, pass untouched): a signed
+payload of another shape is 400 `invalid_payload` and changes nothing. A conversation is one
+keel session per (team, channel, thread root `ts`), its id derived from them, owned by
+`slack:<team>`; a message's id is derived from (team, channel, ts), so Slack's retries, a
+message delivered both as `app_mention` and as `message`, and replays are one message. An
+`app_mention`, a direct message, or a message naming the bot starts (or continues) a
+conversation; a plain reply in a thread continues it only if keel is already in that thread. The
+bot's own posts, edits, deletions and joins are ignored. Who wrote the message and where travels
+as this turn's page context, never in history.
 
 Buttons: the value names the session, the request and the user whose message started the turn;
 only that user, or one of `KEEL_SLACK_APPROVERS`, may decide. The decision goes the way of
@@ -20,12 +22,10 @@ Outbound: `slack_out.SlackDestination`, driven by the delivery relay."""
 
 from __future__ import annotations
 
-import json
 import logging
 import re
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TypeGuard
 from urllib.parse import parse_qs
 
 import aiohttp
@@ -36,6 +36,17 @@ from starlette.responses import JSONResponse, Response
 
 from channels.webhooks.base import Call, Decide, Later, Submit, conversation_session
 from channels.webhooks.slack_out import SlackDestination
+from channels.webhooks.types import (
+    Container,
+    EventCallback,
+    block_actions_decoder,
+    button_value_decoder,
+    decode,
+    event_callback_decoder,
+    kind_decoder,
+    message_event_decoder,
+    url_verification_decoder,
+)
 from harness.errors import Conflict, KeelError
 from harness.relay import Destination
 
@@ -104,12 +115,12 @@ class SlackChannel:
 
     def interpret(self, route: str, body: bytes, headers: Headers) -> list[Call] | Response:
         if route == "events":
-            return self._event(_object(json.loads(body)))
+            return self._event(body)
         form = parse_qs(body.decode(), max_num_fields=20)
         payload = form.get("payload")
         if not payload:
             raise ValueError("an interactivity request carries a payload field")
-        return self._action(_object(json.loads(payload[0])))
+        return self._action(payload[0])
 
     def rejected(self, call: Call, error: KeelError) -> Later | None:
         if isinstance(call, Decide) and isinstance(error, Conflict):
@@ -120,39 +131,37 @@ class SlackChannel:
 
     # ---- events ----------------------------------------------------------------------------
 
-    def _event(self, envelope: dict[str, Any]) -> list[Call] | Response:
-        kind = envelope.get("type")
+    def _event(self, body: bytes) -> list[Call] | Response:
+        kind = decode(kind_decoder, body, "the envelope").type
         if kind == "url_verification":
-            challenge = envelope.get("challenge")
-            if not isinstance(challenge, str):
-                raise ValueError("url_verification carries a challenge string")
+            challenge = decode(url_verification_decoder, body, "url_verification").challenge
             return JSONResponse({"challenge": challenge})
-        event = envelope.get("event")
-        if kind != "event_callback" or not isinstance(event, dict):
+        if kind != "event_callback":
             return []
-        if event.get("type") not in ("app_mention", "message"):
+        envelope = decode(event_callback_decoder, body, "event_callback")
+        if decode(kind_decoder, envelope.event, "the event").type not in ("app_mention", "message"):
             return []
+        event = decode(message_event_decoder, envelope.event, "the event")
         bot = self._bot(envelope)
-        user, channel, ts = event.get("user"), event.get("channel"), event.get("ts")
-        team = envelope.get("team_id") or event.get("team")
-        if event.get("bot_id") or event.get("subtype") not in KEPT_SUBTYPES or user == bot:
+        user, channel, ts = event.user, event.channel, event.ts
+        team = envelope.team_id or event.team
+        if event.bot_id or event.subtype not in KEPT_SUBTYPES or user == bot:
             return []
-        if not all(isinstance(v, str) and SLACK_ID.match(v) for v in (user, channel, team)):
+        if not (_is_id(user) and _is_id(channel) and _is_id(team)):
             return []
-        if not isinstance(ts, str) or not SLACK_TS.match(ts):
+        if ts is None or not SLACK_TS.match(ts):
             return []
-        thread = event.get("thread_ts")
-        root = thread if isinstance(thread, str) and SLACK_TS.match(thread) else ts
-        text = str(event.get("text") or "")
+        thread = event.thread_ts
+        root = thread if thread is not None and SLACK_TS.match(thread) else ts
+        text = event.text or ""
         mention = f"<@{bot}>" if bot else None
-        named = event.get("type") == "app_mention" or (mention is not None and mention in text)
-        direct = event.get("channel_type") == "im"
+        named = event.type == "app_mention" or (mention is not None and mention in text)
+        direct = event.channel_type == "im"
         if not (named or direct or root != ts):
             return []  # a channel message that is not for keel
         if mention:
             text = text.replace(mention, " ")
         text = re.sub(r"\s+", " ", text).strip() or "(no text)"
-        assert isinstance(user, str) and isinstance(channel, str) and isinstance(team, str)
         where = {"slack": {"team": team, "channel": channel, "thread_ts": root}}
         return [
             Submit(
@@ -166,45 +175,47 @@ class SlackChannel:
             )
         ]
 
-    def _bot(self, envelope: Mapping[str, Any]) -> str | None:
-        for auth in envelope.get("authorizations") or []:
-            if isinstance(auth, dict) and auth.get("is_bot") and isinstance(auth.get("user_id"), str):
-                self.bot_user = self.bot_user or auth["user_id"]
-                return str(auth["user_id"])
+    def _bot(self, envelope: EventCallback) -> str | None:
+        for auth in envelope.authorizations or ():
+            if auth.is_bot and auth.user_id is not None:
+                self.bot_user = self.bot_user or auth.user_id
+                return auth.user_id
         return self.bot_user
 
     # ---- buttons ---------------------------------------------------------------------------
 
-    def _action(self, payload: dict[str, Any]) -> list[Call]:
-        if payload.get("type") != "block_actions":
+    def _action(self, payload: str) -> list[Call]:
+        if decode(kind_decoder, payload, "the payload").type != "block_actions":
             return []
-        team = (payload.get("team") or {}).get("id")
-        user = (payload.get("user") or {}).get("id")
-        actions = payload.get("actions") or []
-        if not isinstance(team, str) or not isinstance(user, str) or not actions:
+        clicked = decode(block_actions_decoder, payload, "block_actions")
+        team = clicked.team.id if clicked.team else None
+        user = clicked.user.id if clicked.user else None
+        if team is None or user is None or not clicked.actions:
             return []
-        action = actions[0] if isinstance(actions[0], dict) else {}
-        decision = ACTIONS.get(str(action.get("action_id")))
+        action = clicked.actions[0]
+        decision = ACTIONS.get(action.action_id or "")
         if decision is None:
             return []
-        value = _object(json.loads(str(action.get("value") or "{}")))
-        sid, rid, author = value.get("s"), value.get("r"), value.get("a")
-        if not isinstance(sid, str) or not isinstance(rid, str):
+        if action.value is None:
             raise ValueError("the button's value names no request")
+        value = decode(button_value_decoder, action.value, "the button's value")
+        container = clicked.container or Container()
+        where = {
+            "channel": (clicked.channel.id if clicked.channel else None) or container.channel_id,
+            "thread_ts": (clicked.message.thread_ts if clicked.message else None) or container.thread_ts,
+        }
         answer = Decide(
-            session_id=sid, owner=f"slack:{team}", request_id=rid, decision=decision, by=user, origin=payload
+            session_id=value.s, owner=f"slack:{team}", request_id=value.r, decision=decision, by=user, origin=where
         )
-        if user != author and user not in self.config.approvers:
-            who = f"<@{author}>" if author else "an approver"
+        if user != value.a and user not in self.config.approvers:
+            who = f"<@{value.a}>" if value.a else "an approver"
             return [self._note(answer, f"Only {who} can decide on this request.")]
         return [answer]
 
     def _note(self, call: Decide, text: str) -> Later:
         """An ephemeral message to the user who clicked, in the thread of the button."""
-        payload = call.origin or {}
-        channel = (payload.get("channel") or {}).get("id") or (payload.get("container") or {}).get("channel_id")
-        message = payload.get("message") or {}
-        thread = message.get("thread_ts") or (payload.get("container") or {}).get("thread_ts")
+        where = call.origin or {}
+        channel, thread = where.get("channel"), where.get("thread_ts")
 
         async def run() -> None:
             if channel:
@@ -213,7 +224,5 @@ class SlackChannel:
         return Later(run)
 
 
-def _object(value: Any) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise ValueError("expected a JSON object")
-    return value
+def _is_id(value: str | None) -> TypeGuard[str]:
+    return value is not None and SLACK_ID.match(value) is not None

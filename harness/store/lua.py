@@ -178,7 +178,7 @@ return reply({tag = 'ok', id = id, seq = first_seq, body = resolved, left = left
 
 # Asks the turn in progress (or, if none began yet, the next queued message's turn) to end;
 # with a turn id, only that turn. With `A.once` (a channel's id of the request, kept with the
-# message ids), a repeat of the same request changes nothing: a redelivered "stop" cannot end a
+# message ids under `!<once>`), a repeat of the same request changes nothing: a redelivered "stop" cannot end a
 # later turn. The runner that holds (or next takes) the session finishes it.
 # The current turn is the inbox head; a compact or clear there is not cancelled.
 CANCEL = (
@@ -187,7 +187,8 @@ CANCEL = (
     + """
 if not owns(A.owner) then return reply({tag = 'missing'}) end
 if A.once ~= '' then
-  if redis.call('HSETNX', K.mids, A.once, 'cancel') == 0 then return reply({tag = 'idle'}) end
+  -- ('!' is in no message id: a request's id can never pass for a message's, nor the reverse)
+  if redis.call('HSETNX', K.mids, '!' .. A.once, 'cancel') == 0 then return reply({tag = 'idle'}) end
   expire_with_meta(K.mids)
 end
 local head = redis.call('LINDEX', K.inbox, 0)

@@ -4,6 +4,7 @@ signed as Linear signs them."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -180,3 +181,132 @@ async def test_a_failed_turn_is_an_error_activity(keel: Any, linear: FakeLinear)
     await linear.until(lambda s: "error" in s.kinds("as-8"))
     assert linear.kinds("as-8") == ["thought", "error"]
     assert "the key was revoked" in linear.of("as-8")[-1].content["body"]
+
+
+# ---- payloads of the wrong shape, signed -----------------------------------------------------
+
+
+def odd(body: bytes, **changes: Any) -> bytes:
+    """`body` (a webhook) changed by `changes`, at `a.b` paths; the value "<deep>" is nested
+    deeper than any decoder recurses."""
+    payload = json.loads(body)
+    for path, value in changes.items():
+        *parents, name = path.split(".")
+        node = payload
+        for parent in parents:
+            node = node[parent]
+        node[name] = value
+    return json.dumps(payload).encode().replace(b'"<deep>"', b"[" * 5000 + b"]" * 5000)
+
+
+WRONG = {
+    "agentSession a string": odd(created("as-w"), agentSession="str"),
+    "agentSession null": odd(created("as-w"), agentSession=None),
+    "agentSession's id a number": odd(created("as-w"), **{"agentSession.id": 5}),
+    "comment a string": odd(created("as-w"), **{"agentSession.comment": "str"}),
+    "comment's body a list": odd(created("as-w"), **{"agentSession.comment.body": ["hi"]}),
+    "issue a list": odd(created("as-w"), **{"agentSession.issue": []}),
+    "issue's identifier a number": odd(created("as-w"), **{"agentSession.issue.identifier": 1}),
+    "creator a string": odd(created("as-w"), **{"agentSession.creator": "user-alice"}),
+    "creator's id an object": odd(created("as-w"), **{"agentSession.creator.id": {}}),
+    "organizationId a number": odd(created("as-w"), organizationId=5),
+    "promptContext a list": odd(created("as-w"), promptContext=["Issue ENG-1"]),
+    "action a list": odd(created("as-w"), action=["created"]),
+    "type a number": odd(created("as-w"), type=1),
+    "agentActivity a string": odd(prompted("as-w", "act-w", "hi"), agentActivity="str"),
+    "agentActivity's id a number": odd(prompted("as-w", "act-w", "hi"), **{"agentActivity.id": 5}),
+    "agentActivity's user a string": odd(prompted("as-w", "act-w", "hi"), **{"agentActivity.user": "user-alice"}),
+    "agentActivity's userId a list": odd(prompted("as-w", "act-w", "hi"), **{"agentActivity.userId": []}),
+    "content a string": odd(prompted("as-w", "act-w", "hi"), **{"agentActivity.content": "hi"}),
+    "content's body an object": odd(prompted("as-w", "act-w", "hi"), **{"agentActivity.content.body": {}}),
+    "signal a list": odd(prompted("as-w", "act-w", "hi"), **{"agentActivity.signal": ["stop"]}),
+}
+
+
+@pytest.mark.parametrize("body", WRONG.values(), ids=WRONG.keys())
+async def test_a_signed_payload_of_the_wrong_shape_is_400_and_writes_nothing(
+    keel: Any, linear: FakeLinear, redis: Redis, body: bytes
+) -> None:
+    c = await keel(echo_agent())
+    before = await redis.dbsize()
+    r = await hook(c, body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "invalid_payload"
+    assert await redis.dbsize() == before
+    assert linear.requests == 0
+
+
+async def test_a_signed_body_whose_timestamp_cannot_be_read_is_401(keel: Any, redis: Redis) -> None:
+    """Freshness is part of the signature's check: a body keel cannot read the timestamp of
+    (not JSON, not an object, nested too deeply, no number) is not known to be fresh."""
+    c = await keel(echo_agent())
+    before = await redis.dbsize()
+    unreadable = [
+        b"[1]",
+        b"{",
+        b'{"type": "AgentSessionEvent"}',
+        json.dumps({"webhookTimestamp": str(int(time.time() * 1000))}).encode(),
+        odd(created("as-w"), **{"agentSession.issue.title": "<deep>"}),
+    ]
+    for body in unreadable:
+        r = await hook(c, body)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_signature"
+    assert await redis.dbsize() == before
+
+
+async def test_what_linear_sends_is_taken_with_every_field_it_adds(keel: Any, linear: FakeLinear, redis: Redis) -> None:
+    c = await keel(echo_agent())
+    now = int(time.time() * 1000)
+    before = await redis.dbsize()
+    # other webhooks to the same address: taken, ignored
+    for other in (
+        {"type": "Issue", "action": "update", "data": {"id": "i-1", "title": "x"}, "organizationId": "org-1"},
+        {"type": "AppUserNotification", "action": "issueMention", "notification": {"id": "n-1"}},
+        {"type": "OAuthApp", "action": "revoked", "oauthClientId": "client-1"},
+        {"type": "AgentSessionEvent", "action": "updated", "agentSession": {"id": "as-9"}, "organizationId": "org-1"},
+    ):
+        assert (await hook(c, json.dumps({**other, "webhookTimestamp": now}).encode())).status_code == 200
+    assert await redis.dbsize() == before and linear.requests == 0
+    # a session made with everything Linear sends, no comment, no creator
+    body = odd(
+        created("as-11"),
+        **{
+            "agentSession.comment": None,
+            "agentSession.creator": None,
+            "agentSession.status": "pending",
+            "agentSession.sourceMetadata": None,
+            "agentSession.issue.team": {"id": "team-1", "key": "ENG"},
+            "agentSession.appUser": {"id": "app-user-1", "name": "keel"},
+            "previousComments": [{"id": "c-0", "body": "earlier", "userId": "user-bob"}],
+            "guidance": [{"body": "be brief", "origin": {"__typename": "TeamGuidance"}}],
+        },
+    )
+    assert (await hook(c, body)).status_code == 200
+    await linear.until(lambda s: "response" in s.kinds("as-11"))
+    assert linear.of("as-11")[-1].content == {"type": "response", "body": "re:Please work on this issue."}
+    # a prompt with the activity's every field
+    prompt = odd(
+        prompted("as-11", "act-11", "more please"),
+        **{
+            "agentActivity.user": {"id": "user-alice", "name": "Alice"},
+            "agentActivity.agentSessionId": "as-11",
+            "agentActivity.sourceCommentId": "c-2",
+            "agentActivity.signalMetadata": None,
+            "agentActivity.content.extra": {"x": [1]},
+        },
+    )
+    assert (await hook(c, prompt)).status_code == 200
+    await linear.until(lambda s: s.kinds("as-11").count("response") == 2)
+    assert linear.of("as-11")[-1].content == {"type": "response", "body": "re:more please"}
+
+
+async def test_a_prompt_with_the_id_of_an_earlier_stop_is_not_a_500(keel: Any, linear: FakeLinear) -> None:
+    """A stop is kept by its activity's id, a message by its own: the same id on both (never so
+    from Linear, but signed all the same) is a stop, then a message, not an error."""
+    c = await keel(echo_agent())
+    await hook(c, created("as-12"))
+    await linear.until(lambda s: "response" in s.kinds("as-12"))
+    assert (await hook(c, prompted("as-12", "act-12", "Stop", signal="stop"))).status_code == 200
+    assert (await hook(c, prompted("as-12", "act-12", "go on"))).status_code == 200
+    await linear.until(lambda s: s.kinds("as-12").count("response") == 2)
+    assert linear.of("as-12")[-1].content == {"type": "response", "body": "re:go on"}

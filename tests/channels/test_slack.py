@@ -7,6 +7,7 @@ import asyncio
 import json
 import time
 from typing import Any
+from urllib.parse import urlencode
 
 import pytest
 from redis.asyncio import Redis
@@ -322,3 +323,216 @@ async def test_two_processes_deliver_each_reply_once_in_order(keel: Any, slack: 
     await slack.until(lambda s: len(s.posts()) >= 80, timeout=60)
     for n, t in enumerate(threads):
         assert replies(slack, t) == [f"re:t{n}", "re:f0", "re:f1", "re:f2"]
+
+
+# ---- payloads of the wrong shape, signed -----------------------------------------------------
+
+DEEP = "[" * 5000 + "]" * 5000  # deeper than any decoder recurses
+
+
+def odd_event(**changes: Any) -> bytes:
+    """A mention that keel would answer, its event changed by `changes`; a change keyed
+    `envelope.<name>` changes the envelope instead."""
+    envelope = json.loads(event_body(f"<@{BOT}> odd", ts="1700000080.000100"))
+    for name, value in changes.items():
+        if name.startswith("envelope."):
+            envelope[name.removeprefix("envelope.")] = value
+        else:
+            envelope["event"][name] = value
+    return json.dumps(envelope).encode().replace(b'"<deep>"', DEEP.encode())
+
+
+def odd_click(**changes: Any) -> bytes:
+    """An approve click (on a request that does not exist), changed by `changes`; a change keyed
+    `action.<name>` changes the button's action instead."""
+    value = '{"s": "ses_x", "r": "req_x", "a": "U0ALICE"}'
+    action = {"action_id": "keel_approve", "block_id": "b", "value": value, "type": "button", "action_ts": "1.2"}
+    payload: dict[str, Any] = {
+        "type": "block_actions",
+        "team": {"id": TEAM, "domain": "test"},
+        "user": {"id": "U0ALICE", "team_id": TEAM},
+        "container": {"type": "message", "message_ts": "1700000081.000100", "channel_id": "C0GENERAL"},
+        "channel": {"id": "C0GENERAL"},
+        "message": {"ts": "1700000081.000100", "thread_ts": "1700000080.000100", "text": "ask"},
+        "actions": [action],
+    }
+    for name, value in changes.items():
+        if name.startswith("action."):
+            action[name.removeprefix("action.")] = value
+        else:
+            payload[name] = value
+    return urlencode({"payload": json.dumps(payload).replace('"<deep>"', DEEP)}).encode()
+
+
+WRONG_EVENTS = {
+    "subtype a list": odd_event(subtype=["x"]),
+    "subtype an object": odd_event(subtype={"x": 1}),
+    "authorizations a number": odd_event(**{"envelope.authorizations": 5}),
+    "an authorization a string": odd_event(**{"envelope.authorizations": ["x"]}),
+    "is_bot a string": odd_event(**{"envelope.authorizations": [{"user_id": BOT, "is_bot": "yes"}]}),
+    "text a list": odd_event(text=["<@U0BOT> odd"]),
+    "text a number": odd_event(text=5),
+    "user a list": odd_event(user=["U0ALICE"]),
+    "channel an object": odd_event(channel={"id": "C0GENERAL"}),
+    "ts a number": odd_event(ts=1700000080.0001),
+    "thread_ts a number": odd_event(thread_ts=1700000080.0001),
+    "channel_type a bool": odd_event(channel_type=True),
+    "bot_id a list": odd_event(bot_id=[]),
+    "team_id a number": odd_event(**{"envelope.team_id": 7}),
+    "the event a list": odd_event(**{"envelope.event": []}),
+    "the event's type a list": odd_event(type=["app_mention"]),
+    "the envelope's type null": odd_event(**{"envelope.type": None}),
+    "the event nested too deeply": odd_event(text="<deep>"),
+    "not an object": b"[1, 2]",
+    "not JSON": b"{",
+    "a challenge that is not a string": json.dumps({"type": "url_verification", "challenge": 5}).encode(),
+}
+WRONG_CLICKS = {
+    "team a string": odd_click(team="T0TEAM"),
+    "user a list": odd_click(user=["U0ALICE"]),
+    "actions an object": odd_click(actions={"0": {}}),
+    "actions a number": odd_click(actions=5),
+    "an action a string": odd_click(actions=["keel_approve"]),
+    "action_id a list": odd_click(**{"action.action_id": ["keel_approve"]}),
+    "value a number": odd_click(**{"action.value": 5}),
+    "value not an object": odd_click(**{"action.value": "[1]"}),
+    "value names no request": odd_click(**{"action.value": '{"s": "ses_x", "r": 5}'}),
+    "channel a string": odd_click(channel="C0GENERAL"),
+    "message a list": odd_click(message=[]),
+    "container a number": odd_click(container=1),
+    "nested too deeply": odd_click(message="<deep>"),
+    "no payload field": urlencode({"other": "{}"}).encode(),
+    "a payload that is not an object": urlencode({"payload": "5"}).encode(),
+}
+
+
+@pytest.mark.parametrize("body", WRONG_EVENTS.values(), ids=WRONG_EVENTS.keys())
+async def test_a_signed_event_of_the_wrong_shape_is_400_and_writes_nothing(
+    keel: Any, slack: FakeSlack, redis: Redis, body: bytes
+) -> None:
+    c = await keel(echo_agent())
+    before = await redis.dbsize()
+    r = await post_event(c, body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "invalid_payload"
+    assert await redis.dbsize() == before
+    assert not await redis.exists(f"keel:{{{session_for(TEAM, 'C0GENERAL', '1700000080.000100')}}}:meta")
+    assert slack.count("chat.postMessage") == 0
+
+
+@pytest.mark.parametrize("body", WRONG_CLICKS.values(), ids=WRONG_CLICKS.keys())
+async def test_a_signed_click_of_the_wrong_shape_is_400_and_writes_nothing(
+    keel: Any, slack: FakeSlack, redis: Redis, body: bytes
+) -> None:
+    c = await keel(echo_agent())
+    before = await redis.dbsize()
+    r = await click(c, body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "invalid_payload"
+    assert await redis.dbsize() == before
+    assert slack.ephemerals == []
+
+
+# what Slack really sends that keel does not act on: other events, whose fields of the same
+# names hold other types, envelopes of other kinds, messages with every field Slack adds
+SLACK_SENDS = {
+    "user_change (its user an object)": json.dumps(
+        {
+            "type": "event_callback",
+            "team_id": TEAM,
+            "event": {"type": "user_change", "user": {"id": "U0ALICE", "profile": {"real_name": "A"}}},
+            "authorizations": [{"enterprise_id": None, "team_id": TEAM, "user_id": BOT, "is_bot": True}],
+        }
+    ).encode(),
+    "channel_created (its channel an object)": json.dumps(
+        {
+            "type": "event_callback",
+            "team_id": TEAM,
+            "event": {"type": "channel_created", "channel": {"id": "C0NEW", "name": "new", "created": 1}},
+        }
+    ).encode(),
+    "reaction_added": json.dumps(
+        {
+            "type": "event_callback",
+            "team_id": TEAM,
+            "event": {
+                "type": "reaction_added",
+                "user": "U0ALICE",
+                "reaction": "thumbsup",
+                "item": {"type": "message", "channel": "C0GENERAL", "ts": "1700000082.000100"},
+                "event_ts": "1700000082.000200",
+            },
+        }
+    ).encode(),
+    "message_changed (no user, a nested message)": odd_event(
+        type="message",
+        subtype="message_changed",
+        user=None,
+        hidden=True,
+        message={"type": "message", "user": "U0ALICE", "text": f"<@{BOT}> edited", "ts": "1700000080.000100"},
+        previous_message={"type": "message", "user": "U0ALICE", "text": "before"},
+    ),
+    "bot_message (bot_profile, no user)": odd_event(
+        type="message", subtype="bot_message", bot_id="B0OTHER", bot_profile={"id": "B0OTHER"}, username="bot"
+    ),
+    "app_rate_limited": json.dumps(
+        {"token": "t", "type": "app_rate_limited", "team_id": TEAM, "minute_rate_limited": 1518467820}
+    ).encode(),
+}
+
+
+@pytest.mark.parametrize("body", SLACK_SENDS.values(), ids=SLACK_SENDS.keys())
+async def test_what_slack_sends_and_keel_ignores_is_200(keel: Any, slack: FakeSlack, redis: Redis, body: bytes) -> None:
+    c = await keel(echo_agent())
+    before = await redis.dbsize()
+    r = await post_event(c, body)
+    assert r.status_code == 200 and r.content == b""
+    assert await redis.dbsize() == before
+
+
+async def test_a_message_with_every_field_slack_adds_is_answered(keel: Any, slack: FakeSlack) -> None:
+    c = await keel(echo_agent())
+    thread = "1700000083.000100"
+    envelope = json.loads(event_body(f"<@{BOT}> all of it", ts=thread))
+    envelope.update(
+        is_ext_shared_channel=False,
+        context_team_id=TEAM,
+        context_enterprise_id=None,
+        event_context="4-eyJldCI6ImFwcF9tZW50aW9uIn0",
+        authorizations=[
+            {"enterprise_id": None, "team_id": TEAM, "user_id": BOT, "is_bot": True, "is_enterprise_install": False}
+        ],
+    )
+    envelope["event"].update(
+        client_msg_id="5f7a3c2e-0000-4000-8000-000000000000",
+        team=TEAM,
+        blocks=[{"type": "rich_text", "block_id": "x", "elements": [{"type": "rich_text_section", "elements": []}]}],
+        files=[{"id": "F1", "name": "a.txt"}],
+        attachments=[{"fallback": "x"}],
+        edited={"user": "U0ALICE", "ts": "1700000083.000200"},
+        user_team=TEAM,
+        source_team=TEAM,
+        user_profile={"name": "alice", "is_restricted": False},
+    )
+    r = await post_event(c, json.dumps(envelope).encode())
+    assert r.status_code == 200
+    await slack.until(lambda s: len(s.posts(thread)) == 1)
+    assert replies(slack, thread) == ["re:all of it"]
+
+
+async def test_clicks_keel_does_not_act_on_are_200(keel: Any, slack: FakeSlack, redis: Redis) -> None:
+    c = await keel(echo_agent())
+    before = await redis.dbsize()
+    others = [
+        odd_click(**{"action.action_id": "someone_elses", "action.value": None}),  # another app's button
+        odd_click(actions=[{"action_id": "pick", "type": "static_select", "selected_option": {"value": "a"}}]),
+        odd_click(actions=[]),
+        odd_click(team=None),  # an organization-wide install
+        urlencode(
+            {"payload": json.dumps({"type": "view_submission", "team": {"id": TEAM}, "view": {"state": {}}})}
+        ).encode(),
+        urlencode({"payload": json.dumps({"type": "shortcut", "callback_id": "x", "user": "U0ALICE"})}).encode(),
+    ]
+    for body in others:
+        assert (await click(c, body)).status_code == 200
+    assert await redis.dbsize() == before

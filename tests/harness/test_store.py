@@ -97,3 +97,18 @@ async def test_a_cancelled_pause_withdraws_its_requests_in_the_order_they_were_m
             if isinstance(event, StoredEvent) and event.type == "turn.cancelled":
                 break
     assert withdrawn == asked
+
+
+async def test_a_cancels_request_id_never_passes_for_a_message_id(make_harness: Any) -> None:
+    """A channel's cancel is kept under its request's id so a redelivery changes nothing; a
+    message whose id is that same string is still a new message (it was a 500: the cancel's
+    mark was read as the message's first delivery)."""
+    h = await make_harness(Agent(instructions="t", model=ScriptedModel(lambda r: ModelReply(text="ok"))))
+    sid = await h.sessions.create("anon")
+    await h.store.cancel(sid, "anon", once="act-1")
+    sent = await h.sessions.submit(sid, "anon", "hello", message_id="act-1")
+    assert not sent.duplicate
+    turn = await h.sessions.wait_turn(sent, 10)
+    assert turn.status == "completed" and turn.reply == "ok"
+    again = await h.store.cancel(sid, "anon", once="act-1")  # (the redelivered cancel: nothing to do)
+    assert type(again).__name__ == "NothingToCancel"
