@@ -199,6 +199,14 @@ def odd(body: bytes, **changes: Any) -> bytes:
     return json.dumps(payload).encode().replace(b'"<deep>"', b"[" * 5000 + b"]" * 5000)
 
 
+def fresh(body: bytes) -> bytes:
+    """`body` stamped now (the cases are made at collection, which may be minutes before)."""
+    stamp = b'"webhookTimestamp": '
+    at = body.index(stamp) + len(stamp)
+    end = at + len(body[at:].split(b",", 1)[0].split(b"}", 1)[0])
+    return body[:at] + str(int(time.time() * 1000)).encode() + body[end:]
+
+
 WRONG = {
     "agentSession a string": odd(created("as-w"), agentSession="str"),
     "agentSession null": odd(created("as-w"), agentSession=None),
@@ -229,7 +237,7 @@ async def test_a_signed_payload_of_the_wrong_shape_is_400_and_writes_nothing(
 ) -> None:
     c = await keel(echo_agent())
     before = await redis.dbsize()
-    r = await hook(c, body)
+    r = await hook(c, fresh(body))
     assert r.status_code == 400, r.text
     assert r.json()["error"]["code"] == "invalid_payload"
     assert await redis.dbsize() == before

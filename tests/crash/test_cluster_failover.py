@@ -61,7 +61,15 @@ async def fail_over(cluster: ValkeyCluster, sids: list[str]) -> int:
 
 
 async def load_through_failover(cluster: ValkeyCluster, tmp_path: Path, durability: str) -> Outcome:
-    svc = Service(tmp_path, free_port(), REDIS_URL=cluster.url, KEEL_DURABILITY=durability, KEEL_LEASE_MS="2000")
+    svc = Service(
+        tmp_path,
+        free_port(),
+        REDIS_URL=cluster.url,
+        KEEL_DURABILITY=durability,
+        KEEL_LEASE_MS="2000",
+        KEEL_AGENT="tests.crash_agent:agent",  # (replies at once: the demo types its replies out, ~1 s a turn)
+        KEEL_TEST_LOG=str(tmp_path / "calls.jsonl"),
+    )
     await asyncio.to_thread(svc.start)
     out = Outcome()
     stop = asyncio.Event()
