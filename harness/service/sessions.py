@@ -303,7 +303,8 @@ class Sessions:
 
     async def message_text(self, sid: str, owner: str, received_id: str) -> str | None:
         """The text of the message whose message.received is `received_id`, if still kept."""
-        await self.check_owner(sid, owner)
+        check_session_id(sid)
+        await self.store.look(sid, owner)
         event = await self.store.outbox.event(sid, received_id)
         received = event.of(MessageReceived) if event is not None else None
         return received.data.text if received is not None else None
@@ -312,7 +313,7 @@ class Sessions:
         """Where a replay of turn `turn_id` from its first event starts; None if the session
         does not hold it any more."""
         check_session_id(sid)
-        await self.store.meta(sid, owner)
+        await self.store.look(sid, owner)  # (the owner's, free when this process knows the session)
         head = await self.store.head(sid)
         if head is not None and head.turn_id == turn_id:
             found = await self.store.received(sid, head.message_id)
@@ -323,7 +324,8 @@ class Sessions:
 
     async def turn_asking(self, sid: str, owner: str, request_id: str) -> str | None:
         """The id of the turn that made approval request `request_id`, if the outbox holds it."""
-        await self.check_owner(sid, owner)
+        check_session_id(sid)
+        await self.store.look(sid, owner)
         return await self.store.outbox.turn_asking(sid, request_id)
 
     @staticmethod

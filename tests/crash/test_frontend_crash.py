@@ -31,13 +31,9 @@ async def provider() -> AsyncIterator[AnthropicServer]:
         yield s
 
 
-@pytest.mark.slow
-async def test_a_use_chat_client_resumes_a_reply_cut_by_a_crash(
-    valkey: ValkeyServer, tmp_path: Path, provider: AnthropicServer
-) -> None:
-    rerun = asyncio.Event()
-    provider.replies = [Reply([text(CUT)], chunks=10, pace=0.02), Reply([text(WHOLE)], chunks=10, hold=rerun)]
-    svc = Service(
+def keel_on(provider: AnthropicServer, valkey: ValkeyServer, tmp_path: Path) -> Service:
+    """keel as a subprocess on the local Anthropic-protocol provider, a lease of 1 s."""
+    return Service(
         tmp_path,
         free_port(),
         REDIS_URL=valkey.url,
@@ -46,6 +42,15 @@ async def test_a_use_chat_client_resumes_a_reply_cut_by_a_crash(
         ANTHROPIC_BASE_URL=provider.url,
         KEEL_LEASE_MS="1000",
     )
+
+
+@pytest.mark.slow
+async def test_a_use_chat_client_resumes_a_reply_cut_by_a_crash(
+    valkey: ValkeyServer, tmp_path: Path, provider: AnthropicServer
+) -> None:
+    rerun = asyncio.Event()
+    provider.replies = [Reply([text(CUT)], chunks=10, pace=0.02), Reply([text(WHOLE)], chunks=10, hold=rerun)]
+    svc = keel_on(provider, valkey, tmp_path)
     run: NodeScript | None = None
     try:
         svc.start(KEEL_FAILPOINTS="model.mid_stream=exit@5")  # dies at the 5th delta of the first attempt
@@ -84,15 +89,7 @@ async def test_an_agui_run_cut_by_a_crash_is_run_again_with_the_rest_once(
     valkey: ValkeyServer, tmp_path: Path, provider: AnthropicServer
 ) -> None:
     provider.replies = [Reply([text(CUT)], chunks=10, pace=0.02), Reply([text(WHOLE)], chunks=10, pace=0.01)]
-    svc = Service(
-        tmp_path,
-        free_port(),
-        REDIS_URL=valkey.url,
-        KEEL_MODEL="anthropic:claude-test",
-        ANTHROPIC_API_KEY="test-key",
-        ANTHROPIC_BASE_URL=provider.url,
-        KEEL_LEASE_MS="1000",
-    )
+    svc = keel_on(provider, valkey, tmp_path)
 
     async def run(c: httpx.AsyncClient, sid: str, run_id: str) -> list[dict[str, Any]]:
         body = {"threadId": sid, "runId": run_id, "messages": [{"id": "u1", "role": "user", "content": "hello"}]}
