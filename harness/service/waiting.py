@@ -39,6 +39,8 @@ async def collect_turn(
             woken = await watch.wait(min(timeout, 5.0))  # or a periodic look in case a wake-up was lost
             if watch.ended is not None or (not woken and not await outbox.exists(sid)):
                 raise NotFound(f"session {sid} was deleted", code="session_not_found")
+            if not woken:
+                await outbox.settle(sid)  # (with replicas: a mark a failover lost)
             read = True
 
     try:

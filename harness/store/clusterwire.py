@@ -28,7 +28,7 @@ from redis.crc import key_slot
 from redis.exceptions import AskError, ClusterDownError, MovedError, NoScriptError, TryAgainError
 
 from harness.store.client import Client
-from harness.store.wire import QUIET, TIMEOUT_S, NotSent, Pool, Replicas, Wire
+from harness.store.wire import QUIET, TIMEOUT_S, NotSent, Pool, Replicas, Wire, raised
 
 REDIRECT_S = 10.0  # how long a call follows redirections and waits out a failover
 BACKOFF_S = (0.02, 0.05, 0.1, 0.2, 0.4, 0.5)  # waits between tries that found no owner
@@ -96,8 +96,8 @@ class ClusterWire:
         Error replies are raised."""
         evalsha: tuple[Any, ...] = ("EVALSHA", sha, len(keys), *keys, *args)
         batch: list[Sequence[Any]] = [evalsha]
-        if self.replicas is not None:  # (the notice after WAIT, not from the script)
-            batch = [(*evalsha, *QUIET), *self.replicas.after(keys)]
+        if self.replicas is not None:  # (the notice once WAIT had its replicas, not from the script)
+            batch = [(*evalsha, *QUIET), *self.replicas.sync(keys)]
         slot = key_slot(key_of(evalsha))
         for attempt in range(2):
             got = await self._on_slot(slot, batch, unit=self.replicas is not None)
@@ -105,17 +105,23 @@ class ClusterWire:
             if isinstance(reply, NoScriptError) and attempt == 0:
                 await self._load(slot, source)
                 continue
-            for r in got:
-                if isinstance(r, Exception):
-                    raise r
+            raised(got)
             if self.replicas is not None:
-                self.replicas.check(got[1])
+                await self._mark(slot, self.replicas, keys, got[1:])
             break
-        rest = await self.call(also, durable=True) if also else []
-        for r in rest:
-            if isinstance(r, Exception):
-                raise r
+        rest = raised(await self.call(also, durable=True)) if also else []
         return [reply, *rest]
+
+    async def settle(self, keys: Sequence[Any]) -> None:
+        """As `Wire.settle`, on the session's node."""
+        if self.replicas is not None:
+            slot = key_slot(key_of(("EVAL", "", len(keys), *keys)))
+            await self._mark(slot, self.replicas, keys, await self._on_slot(slot, self.replicas.sync(keys), unit=True))
+
+    async def _mark(self, slot: int, replicas: Replicas, keys: Sequence[Any], synced: Sequence[Any]) -> None:
+        mark = replicas.marking(keys, synced)
+        if mark is not None:
+            raised(await self._on_slot(slot, [mark]))
 
     async def _load(self, slot: int, source: str) -> None:
         (reply,) = await self._on_slot(slot, [("SCRIPT", "LOAD", source)], routed=False)

@@ -8,6 +8,7 @@ answers one MessagePack map), built on `lua`'s shared helpers.
 from __future__ import annotations
 
 from harness.store.lua import _COMMON, _KEEP
+from harness.store.streamids import LUA_NEWER
 
 # ---- the delivery relay (keys: DeliveryKeys) ------------------------------------------------
 
@@ -40,6 +41,7 @@ return reply({tag = 'held', state = pairs_of(redis.call('HGETALL', K.state)), me
 RELAY_MARK = (
     _COMMON
     + _KEEP
+    + LUA_NEWER
     + """
 if redis.call('GET', K.lease) ~= A.token then return reply({tag = 'lost'}) end
 local quiet = false
@@ -49,14 +51,8 @@ if A.check then
   local last = newest[1] and newest[1][1] or ''
   local settled = status == 'waiting' or (status ~= 'running' and redis.call('LLEN', K.inbox) == 0)
   -- caught up: the newest event is the one seen, or before it (a relay that starts later than
-  -- the session, at its destination's beginning); stream ids compare as (ms, seq) numbers
-  local function id_of(eid)
-    local ms, seq = string.match(eid, '^(%d+)-(%d+)$')
-    return tonumber(ms or 0), tonumber(seq or 0)
-  end
-  local lms, lseq = id_of(last)
-  local cms, cseq = id_of(A.check)
-  quiet = settled and (lms < cms or (lms == cms and lseq <= cseq))
+  -- the session, at its destination's beginning)
+  quiet = settled and not newer(last, A.check)
   if not quiet and A.release then return reply({tag = 'held', quiet = false}) end
 end
 if (#A.set > 0 or #A.unset > 0) and redis.call('EXISTS', K.meta) == 1 then

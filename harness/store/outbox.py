@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 from collections import deque
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import msgspec
 
@@ -31,6 +32,7 @@ from harness.store.client import Client, translated
 from harness.store.clusterwire import AnyWire
 from harness.store.hub import EventHub, Watch
 from harness.store.keys import SessionKeys
+from harness.store.wire import REPLICATED, NotReplicated, raised
 
 BATCH = 200  # events read from the stream at once
 SCAN_MAX = 20_000  # events looked through, newest first, for where a turn began
@@ -50,17 +52,29 @@ class Outbox:
         self.redis = redis
         self.wire = wire
         self.hub = hub
+        # a reader shown less than the stream holds looks again after this long, unwoken: the
+        # writer's WAIT is over by then, its mark made or never to be (with replicas)
+        self.recheck = 2 * wire.replicas.timeout_ms / 1000 if wire.replicas is not None else 0.0
 
-    @translated
     async def events(self, sid: str, after: str = streamids.START, count: int = BATCH) -> list[StoredEvent]:
         """Events after stream id `after` (START: from the first). By the wire: a reader's read,
         on its path, and cancellable (redis-py's write, in `wait_for` on Python 3.11, can swallow
-        the cancellation of a reader that goes away)."""
-        start = f"({after}" if after != streamids.START else "-"
-        (raw,) = await self.wire.call([("XRANGE", SessionKeys(sid).outbox, start, "+", "COUNT", count)])
-        if isinstance(raw, Exception):
-            raise raw
-        return [envelope(sid, eid, dict(zip(f[::2], f[1::2], strict=True))) for eid, f in raw]
+        the cancellation of a reader that goes away). With replicas, those a replica has."""
+        return (await self._read(sid, after, count))[0]
+
+    @translated
+    async def _read(self, sid: str, after: str, count: int) -> tuple[list[StoredEvent], bool]:
+        """`events`, and whether the read found events no replica is known to have yet."""
+        keys = SessionKeys(sid)
+        read = ("XRANGE", keys.outbox, f"({after}" if after != streamids.START else "-", "+", "COUNT", count)
+        if self.wire.replicas is None:
+            (raw,) = raised(await self.wire.call([read]))
+            held = False
+        else:  # (the mark first, then the stream: all up to the mark are on a replica)
+            shown, found = raised(await self.wire.call([("HGET", keys.meta, REPLICATED), read]))
+            raw = _up_to(found, shown)
+            held = len(raw) < len(found)
+        return [envelope(sid, eid, dict(zip(f[::2], f[1::2], strict=True))) for eid, f in raw], held
 
     async def event(self, sid: str, event_id: str) -> StoredEvent | None:
         """The event `event_id`, if the outbox still holds it."""
@@ -73,12 +87,15 @@ class Outbox:
     ) -> StoredEvent | None:
         """The newest `etype` event whose stored body `found` accepts, looked for from the
         newest event back, at most `within` events; None if there is none."""
-        key, end, wanted = SessionKeys(sid).outbox, "+", etype.encode()
+        keys, end, wanted = SessionKeys(sid), "+", etype.encode()
+        if self.wire.replicas is not None:  # (from the newest event a replica has)
+            (shown,) = raised(await self.wire.call([("HGET", keys.meta, REPLICATED)]))
+            if shown is None:
+                return None
+            end = shown.decode()
         looked = 0
         while looked < within:
-            (raw,) = await self.wire.call([("XREVRANGE", key, end, "-", "COUNT", BATCH)])
-            if isinstance(raw, Exception):
-                raise raw
+            (raw,) = raised(await self.wire.call([("XREVRANGE", keys.outbox, end, "-", "COUNT", BATCH)]))
             for eid, f in raw:
                 fields = dict(zip(f[::2], f[1::2], strict=True))
                 if fields[b"t"] == wanted and found(fields[b"b"]):
@@ -114,15 +131,34 @@ class Outbox:
         """Whether the session is there (a reader's look: no owner check)."""
         return bool(await self.redis.exists(SessionKeys(sid).meta))
 
+    @translated
+    async def settle(self, sid: str) -> None:
+        """With replicas, on a reader's periodic look: show the session's events past its mark
+        that a replica has. (A mark lost in a failover, made on the old primary just before it
+        died, would hide them until the session's next write.) Nothing if no replica has them."""
+        if self.wire.replicas is None:
+            return
+        keys = SessionKeys(sid)
+        read = [("HGET", keys.meta, REPLICATED), ("XREVRANGE", keys.outbox, "+", "-", "COUNT", 1)]
+        shown, newest = raised(await self.wire.call(read))
+        if newest and (shown is None or streamids.key(newest[0][0].decode()) > streamids.key(shown.decode())):
+            with contextlib.suppress(NotReplicated):
+                await self.wire.settle([keys.meta, keys.outbox])
+
     async def next(self, sid: str, watch: Watch, after: str) -> tuple[list[StoredEvent], bool]:
         """The events after `after`: those this process handed the watch, if they continue it,
         else a read of the stream. Second: a full read, so more may be waiting right now."""
-        batch = watch.take()
+        batch, more, _ = await self._next(sid, watch, after)
+        return batch, more
+
+    async def _next(self, sid: str, watch: Watch, after: str) -> tuple[list[StoredEvent], bool, bool]:
+        """`next`, and whether its read found events no replica is known to have yet."""
+        batch, held = watch.take(), False
         from_stream = batch is None
         if batch is None:
-            batch = await self.events(sid, after, count=BATCH)
+            batch, held = await self._read(sid, after, BATCH)
         watch.advance(batch)
-        return batch, from_stream and len(batch) == BATCH
+        return batch, from_stream and len(batch) == BATCH, held
 
     async def tail(
         self,
@@ -144,10 +180,10 @@ class Outbox:
         completed: deque[str] = deque(maxlen=COMPLETED_KEPT)
         watching = contextlib.nullcontext(opened) if opened is not None else self.hub.watch(sid, live=deltas)
         async with watching as watch:
-            read = True
+            read, held = True, False
             if gate is not None:
                 async with gate:
-                    first = await self.events(sid, after, count=BATCH)
+                    first, held = await self._read(sid, after, BATCH)
                 for event in first:
                     yield event
                     _note_completed(completed, event)
@@ -165,7 +201,9 @@ class Outbox:
                         if live.item_id not in completed:
                             yield live
                 if read:
-                    batch, more = await self.next(sid, watch, after)
+                    if look:
+                        await self.settle(sid)
+                    batch, more, held = await self._next(sid, watch, after)
                     for event in batch:
                         yield event
                         _note_completed(completed, event)
@@ -180,12 +218,24 @@ class Outbox:
                 for live in watch.take_live():
                     if live.item_id not in completed:
                         yield live
-                woken = await watch.wait(heartbeat)
+                # (events held back, were their mark not to come: a look soon, not at the heartbeat)
+                woken = await watch.wait(min(heartbeat, self.recheck) if held else heartbeat)
                 if not woken:
                     yield None
                 # a commit (here or elsewhere), or a periodic look in case a wake-up was lost
                 look = not woken
                 read = look or watch.take_news()
+
+
+def _up_to(raw: list[Any], shown: bytes | None) -> list[Any]:
+    """The entries of a stream read up to the event `shown` (a replica has them), in order."""
+    if shown is None:
+        return []
+    last = streamids.key(shown.decode())
+    n = len(raw)
+    while n and streamids.key(raw[n - 1][0].decode()) > last:
+        n -= 1
+    return raw[:n]
 
 
 def _note_completed(completed: deque[str], event: StoredEvent) -> None:

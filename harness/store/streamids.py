@@ -30,6 +30,18 @@ class StreamId(NamedTuple):
         return f"{self.ms}-{self.seq}"
 
 
+# `newer(a, b)` for scripts: whether stream id `a` comes after `b` (an id that is not one, '' say,
+# comes first). Lua's numbers hold the milliseconds of any real clock exactly.
+LUA_NEWER = """
+local function newer(a, b)
+  local ams, aseq = string.match(a, '^(%d+)-(%d+)$')
+  local bms, bseq = string.match(b, '^(%d+)-(%d+)$')
+  ams, aseq, bms, bseq = tonumber(ams or 0), tonumber(aseq or 0), tonumber(bms or 0), tonumber(bseq or 0)
+  return ams > bms or (ams == bms and aseq > bseq)
+end
+"""
+
+
 def key(eid: str) -> StreamId:
     """`eid` for comparing (as `sorted(..., key=key)` would)."""
     return StreamId.parse(eid)

@@ -21,6 +21,8 @@ from redis.exceptions import ConnectionError, NoScriptError, RedisError, Respons
 from redis.exceptions import TimeoutError as RedisTimeout
 from redis.maint_notifications import MaintNotificationsConfig
 
+from harness.store.streamids import LUA_NEWER
+
 TIMEOUT_S = 5.0  # a whole call, by default (redis-py's default socket timeout is 5 s per read)
 
 
@@ -113,17 +115,36 @@ class Pool:
 
 
 QUIET = ("quiet",)  # a script's last argument: publish no commit notice (`Replicas` sends it)
-# The commit notice, sent after WAIT: the newest event id of the outbox among the script's keys.
-NOTIFY = """
-for _, k in ipairs(KEYS) do
-  if string.sub(k, -7) == ':outbox' then
-    local last = redis.call('XREVRANGE', k, '+', '-', 'COUNT', 1)
-    if last[1] then redis.call('SPUBLISH', string.sub(k, 1, -7) .. 'live', '@' .. last[1][1]) end
-    return 1
-  end
-end
-return 0
+REPLICATED = "replicated"  # the meta field: the newest event a replica is known to have
+
+# Run after a script, before its WAIT (KEYS: the session's meta and outbox): the newest event
+# of the outbox, if readers may not see it yet. It then writes (the same value), so that the
+# WAIT after it covers this very moment, every write before it (anyone's) included: replication
+# is in order. Nothing for a session that is gone.
+SYNC = (
+    LUA_NEWER
+    + f"""
+if redis.call('EXISTS', KEYS[1]) == 0 then return false end
+local last = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)[1]
+local known = redis.call('HGET', KEYS[1], '{REPLICATED}') or '0-0'
+if not last or not newer(last[1], known) then return false end
+redis.call('HSET', KEYS[1], '{REPLICATED}', known)
+return last[1]
 """
+)
+# Run once that WAIT had its replicas (ARGV[1]: the id SYNC answered): readers may now see the
+# events up to it, and are told (the commit notice). Never moves back.
+MARK = (
+    LUA_NEWER
+    + f"""
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+if newer(ARGV[1], redis.call('HGET', KEYS[1], '{REPLICATED}') or '0-0') then
+  redis.call('HSET', KEYS[1], '{REPLICATED}', ARGV[1])
+end
+redis.call('SPUBLISH', string.sub(KEYS[2], 1, -7) .. 'live', '@' .. ARGV[1])
+return 1
+"""
+)
 
 
 class NotReplicated(RedisError):
@@ -132,9 +153,10 @@ class NotReplicated(RedisError):
 
 class Replicas:
     """`KEEL_DURABILITY=replica`: every script is followed, in the same write, by `WAIT` for
-    `count` replicas (at most `timeout_ms`) and then by its commit notice, so nothing is
-    acknowledged (the reply is read after WAIT's) or announced to other processes (the notice
-    runs after WAIT) before a replica has it. The script itself is told to publish nothing."""
+    `count` replicas (at most `timeout_ms`), so nothing is acknowledged (the reply is read after
+    WAIT's) before a replica has it. Nor shown: a session's readers read its outbox up to its
+    meta's `replicated` event only, which moves (`MARK`, with the commit notice) once a WAIT
+    after the events (`SYNC`) had its replicas. The script itself is told to publish nothing."""
 
     def __init__(self, count: int = 1, timeout_ms: int = 1000) -> None:
         self.count = count
@@ -143,12 +165,42 @@ class Replicas:
     def wait(self) -> tuple[Any, ...]:
         return ("WAIT", self.count, self.timeout_ms)
 
-    def after(self, keys: Sequence[Any]) -> list[tuple[Any, ...]]:
-        return [self.wait(), ("EVAL", NOTIFY, len(keys), *keys)]
+    def sync(self, keys: Sequence[Any]) -> list[Sequence[Any]]:
+        """The commands after a script that named `keys`: SYNC (if a session's outbox is among
+        them), then WAIT. `synced` reads their replies."""
+        session = _meta_and_outbox(keys)
+        return [("EVAL", SYNC, 2, *session), self.wait()] if session else [self.wait()]
+
+    def marking(self, keys: Sequence[Any], synced: Sequence[Any]) -> tuple[Any, ...] | None:
+        """From the replies of `sync`'s commands: the MARK to send next, None if there are no
+        events to show. An error reply is raised; NotReplicated if the WAIT fell short."""
+        raised(synced)
+        self.check(synced[-1])
+        newest = synced[0] if len(synced) == 2 else None
+        if newest is None:
+            return None
+        return ("EVAL", MARK, 2, *_meta_and_outbox(keys), newest)
 
     def check(self, acked: Any) -> None:
         if not isinstance(acked, int) or acked < self.count:
             raise NotReplicated(f"{acked} of {self.count} replicas acknowledged the write within {self.timeout_ms} ms")
+
+
+def raised(replies: Sequence[Any]) -> Sequence[Any]:
+    """`replies`, their first error reply raised."""
+    for reply in replies:
+        if isinstance(reply, Exception):
+            raise reply
+    return replies
+
+
+def _meta_and_outbox(keys: Sequence[Any]) -> tuple[Any, Any] | tuple[()]:
+    """A session's meta and outbox keys, from a script's keys that name its outbox."""
+    for key in keys:
+        text = key.decode() if isinstance(key, bytes) else str(key)
+        if text.endswith(":outbox"):
+            return (text[: -len("outbox")] + "meta", text)
+    return ()
 
 
 class Wire:
@@ -183,9 +235,23 @@ class Wire:
         if self.replicas is None:
             return await run_script(self.pool, sha, source, [("EVALSHA", sha, len(keys), *keys, *args), *also])
         evalsha = ("EVALSHA", sha, len(keys), *keys, *args, *QUIET)
-        replies = await run_script(self.pool, sha, source, [evalsha, *also, *self.replicas.after(keys)])
-        self.replicas.check(replies[-2])
-        return replies[:-2]
+        sync = self.replicas.sync(keys)
+        replies = await run_script(self.pool, sha, source, [evalsha, *also, *sync])
+        n = len(replies) - len(sync)
+        await self._mark(self.replicas, keys, replies[n:])
+        return replies[:n]
+
+    async def settle(self, keys: Sequence[Any]) -> None:
+        """With replicas: show readers the session's events that a replica has (its `keys`: a
+        script's), were a mark lost (a failover just after it). NotReplicated if none has them."""
+        if self.replicas is not None:
+            sync = self.replicas.sync(keys)
+            await self._mark(self.replicas, keys, await self.pool.call(sync))
+
+    async def _mark(self, replicas: Replicas, keys: Sequence[Any], synced: Sequence[Any]) -> None:
+        mark = replicas.marking(keys, synced)
+        if mark is not None:
+            raised(await self.pool.call([mark]))
 
 
 async def run_script(pool: Pool, sha: str, source: str, commands: list[Sequence[Any]]) -> list[Any]:
@@ -196,10 +262,7 @@ async def run_script(pool: Pool, sha: str, source: str, commands: list[Sequence[
         if isinstance(replies[0], NoScriptError) and attempt == 0:
             await pool.call([("SCRIPT", "LOAD", source)])
             continue
-        for reply in replies:
-            if isinstance(reply, Exception):
-                raise reply
-        return replies
+        return list(raised(replies))
     raise AssertionError("unreachable")
 
 

@@ -40,11 +40,6 @@ async def test_random_crashes_keep_every_invariant(valkey: ValkeyServer, redis: 
 
 @pytest.mark.slow
 @pytest.mark.skipif(ON_CLUSTER, reason="makes a cluster of its own")  # (once per `make test`)
-@pytest.mark.skip(
-    reason="open bug (issue 29 item 8): with KEEL_DURABILITY=replica, SSE readers are shown events no replica has "
-    "yet (a stream read sees writes still in WAIT; the commit notice runs when WAIT timed out too): a failover then "
-    "loses events a client saw; this test fails on it (3 of 3 failover trials, 2026-12-02). Unskip with the fix."
-)
 async def test_failovers_keep_every_invariant(cluster: ValkeyCluster, tmp_path: Path) -> None:
     trials = [t for t in range(40) if make_plan(SEED, t, cluster=True).kind == FAILOVER][:FAILOVERS]
     started = time.monotonic()
