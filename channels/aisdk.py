@@ -17,6 +17,7 @@ A turn that pauses for approval finishes with `finishReason: "tool-calls"`, so t
 
 from __future__ import annotations
 
+import functools
 from typing import Annotated, Any
 
 import msgspec
@@ -97,8 +98,9 @@ def _chunk(value: dict[str, Any]) -> bytes:
 class UiStream:
     """The UI message stream of one turn (its message id is the turn's id)."""
 
-    def __init__(self, message_id: str) -> None:
+    def __init__(self, message_id: str, metadata: dict[str, Any] | None = None) -> None:
         self.message_id = message_id
+        self.metadata = metadata  # the assistant message's `metadata` (the start chunk's)
         self.texts = TextItems()
         self.calls: set[str] = set()  # tool calls the client was shown
         self.ended: set[str] = set()  # ... and those it has an outcome of
@@ -107,7 +109,10 @@ class UiStream:
         self.step_tools = False
 
     def opening(self) -> bytes:
-        return _chunk({"type": "start", "messageId": self.message_id})
+        start: dict[str, Any] = {"type": "start", "messageId": self.message_id}
+        if self.metadata is not None:
+            start["messageMetadata"] = self.metadata
+        return _chunk(start)
 
     def feed(self, event: Followed) -> bytes:
         out: list[dict[str, Any]] = []
@@ -225,10 +230,10 @@ STREAM = Returns(
     errors={
         **NOT_FOUND,
         **QUEUED,
-        400: "`invalid_request`, `invalid_json`, `invalid_message_id`, `unsupported_trigger`, `nothing_to_answer`, "
-        "`invalid_decision`",
+        400: "`invalid_request`, `invalid_json`, `invalid_message_id`, `nothing_to_answer`, `invalid_decision`",
         409: "`already_answered` (with the recorded `decision`), `awaiting_approval` (a new message while a turn "
-        "waits for answers), `message_edited` (a sent message id with other text)",
+        "waits for answers), `message_not_in_history` (regenerating or editing a message whose turn was compacted "
+        "away)",
     },
     tag="frontends",
 )
@@ -238,7 +243,7 @@ async def chat(request: Request) -> Response:
     turn (`POST /v1/sessions/{id}/cancel` does)."""
     body: ChatRequest = decode(chat_decoder, await read_body(request))
     if body.trigger == "regenerate-message":
-        raise ChannelError(400, "unsupported_trigger", "regenerating a message needs forked sessions: not yet")
+        return await _regenerate(request, body)
     if body.trigger != "submit-message":
         raise ChannelError(400, "invalid_request", f"unknown trigger {body.trigger[:40]!r}")
     sid = body.id
@@ -248,10 +253,45 @@ async def chat(request: Request) -> Response:
         text = "".join(p.text or "" for p in last.parts if p.type == "text")
         if not text.strip():
             raise ChannelError(400, "invalid_request", "the last message has no text")
-        return await TurnReader.of(request, sid).submitted(text, body.context, last.id, UiStream, HEADERS)
+        reader = TurnReader.of(request, sid)
+        try:
+            return await reader.submitted(text, body.context, last.id, UiStream, HEADERS)
+        except ChannelError as exc:  # a sent message with other text: useChat's edit
+            if exc.code != "message_edited":
+                raise
+        return await _forked(request, reader, last.id, text, body.context)
     if last.role == "assistant":
         return await _continue(request, sid, last)
     raise ChannelError(400, "invalid_request", "the last message must be the user's, or the assistant's with answers")
+
+
+async def _regenerate(request: Request, body: ChatRequest) -> Response:
+    """`regenerate()`: the messages up to the user message whose reply is made again."""
+    last = body.messages[-1]
+    text = "".join(p.text or "" for p in last.parts if p.type == "text")
+    if last.role != "user" or not text.strip():
+        raise ChannelError(400, "invalid_request", "regenerating: the last message must be the user's, with text")
+    return await _forked(request, TurnReader.of(request, body.id), last.id, text, body.context)
+
+
+async def _forked(request: Request, source: TurnReader, message_id: str, text: str, context: Any) -> Response:
+    """A regenerated reply, or an edited message: keel's history is never rewritten, so the
+    session is forked before message `message_id` and `text` sent in the fork, whose turn
+    streams back. The fork's id is the assistant message's `metadata.keel.session_id` (and the
+    `x-keel-session-id` header): the chat goes on there. A browser with a session token gets
+    one for the fork too (`metadata.keel.token`)."""
+    harness, owner = source.harness, source.owner
+    await harness.sessions.admissible(source.sid, owner, message_id)  # (bad input spends no token)
+    new_sid = await harness.sessions.fork(source.sid, owner, before_message_id=message_id)
+    keel: dict[str, Any] = {"session_id": new_sid}
+    headers = {**HEADERS, "x-keel-session-id": new_sid}
+    if getattr(request.state, "owner", None) is None:  # (a browser's session token: one for the fork)
+        token, expires_at = request.app.state.tokens.mint(new_sid, owner)
+        keel |= {"token": token, "token_expires_at": expires_at}
+    fork = TurnReader(request, harness, new_sid, owner)
+    return await fork.submitted(
+        text, context, message_id, functools.partial(UiStream, metadata={"keel": keel}), headers
+    )
 
 
 async def _continue(request: Request, sid: str, message: UiMessage) -> Response:

@@ -32,22 +32,28 @@ from channels.types import (
     CancelTurn,
     CreateSession,
     Empty,
+    ForkSession,
     Respond,
     SendMessage,
+    UpdateSession,
     cancel_decoder,
     create_session_decoder,
     empty_decoder,
+    fork_session_decoder,
     respond_decoder,
     send_message_decoder,
+    update_session_decoder,
 )
 from harness import Harness
 from harness.errors import Unavailable
-from harness.types import SessionInfo
+from harness.types import SESSIONS_PAGE_MAX, SessionInfo, SessionPage
 
 _enc = msgspec.json.Encoder()
 MAX_WAIT_S = 300.0
 SECONDS = re.compile(r"[0-9]{1,6}(\.[0-9]{1,6})?", re.ASCII)
 HISTORY_PAGE, HISTORY_PAGE_MAX = 500, 1000
+SESSIONS_PAGE = 20
+META_FILTER = "metadata."
 
 
 def json_response(value: Any, status: int = 200) -> Response:
@@ -274,6 +280,91 @@ async def mint_token(request: Request) -> Response:
 )
 async def get_session(request: Request) -> Response:
     info = await harness_of(request).sessions.info(request.path_params["sid"], owner_of(request))
+    return json_response(info)
+
+
+@operation(
+    "The key's sessions, most recent activity first",
+    Returns(200, SessionPage, "A page of sessions, and the cursor of the next page (null after the last)"),
+    errors={400: "`invalid_query`, `invalid_cursor`"},
+    params=(
+        Param("limit", {"type": "integer", "minimum": 1, "maximum": SESSIONS_PAGE_MAX}, "Sessions (20 by default)"),
+        Param(
+            "cursor",
+            {"type": "string", "pattern": r"^[0-9]{1,16}\.ses_[0-9a-z]{26}$"},
+            "The page before's `next_cursor`",
+        ),
+        Param("status", {"type": "string", "enum": ["idle", "running", "waiting"]}, "Only sessions in this state"),
+    ),
+)
+async def list_sessions(request: Request) -> Response:
+    """The key's sessions, most recent activity first (`updated_at`: its last message, or a
+    turn's end): `?limit=` (20 by default, at most 100), `?cursor=` (the page before's
+    `next_cursor`), `?status=`, and `?metadata.<key>=<value>` (up to 8: sessions whose metadata
+    has that value: a string as it is, any other value as its JSON). A filtered page may hold
+    fewer sessions than `limit` (each page looks through at most 1,000) and still have a next."""
+    query = request.query_params
+    metadata: dict[str, str] = {}
+    for name, value in query.multi_items():
+        if name.startswith(META_FILTER) and len(name) > len(META_FILTER):
+            if name[len(META_FILTER) :] in metadata:
+                raise ChannelError(400, "invalid_query", f"?{name}= is given twice")
+            metadata[name[len(META_FILTER) :]] = value
+    page = await harness_of(request).sessions.listing(
+        owner_of(request),
+        limit=int_query(request, "limit", SESSIONS_PAGE, 1, SESSIONS_PAGE_MAX),
+        cursor=query.get("cursor"),
+        status=query.get("status"),
+        metadata=metadata,
+    )
+    return json_response(page)
+
+
+@operation(
+    "Fork a session: a new one with its history, or the part before a message",
+    Returns(201, NewSession, "The new session", provides={"sid": "$response.body#/session_id"}),
+    body=ForkSession,
+    body_optional=True,
+    errors={
+        **NOT_FOUND,
+        **RATED,
+        400: "`invalid_request`, `invalid_json`, `invalid_message_id`",
+        409: "`message_not_in_history`: the message's turn left nothing in the active history (compacted away, "
+        "cleared, or cancelled before it began)",
+    },
+)
+async def fork_session(request: Request) -> Response:
+    """A new session of the same key with the same metadata, whose history is the source's: all
+    of it (`{}`; a turn in progress is left out), or what came before the turn of the message
+    `before_message_id`. It has no pending requests, no queue and no page context; the source is
+    not changed. Editing a message is a fork before it and the new text sent there;
+    regenerating a reply, a fork before its message and the same text sent again."""
+    body: ForkSession = decode(fork_session_decoder, await read_body(request), empty_ok=True)
+    harness = harness_of(request)
+    sid, owner = request.path_params["sid"], owner_of(request)
+    await harness.sessions.admissible(sid, owner, body.before_message_id)  # (bad input spends no token)
+    await harness.quotas.admit(owner)
+    new_sid = await harness.sessions.fork(sid, owner, body.before_message_id)
+    return json_response(NewSession(new_sid), 201)
+
+
+@operation(
+    "Rename a session, change its metadata",
+    Returns(200, SessionInfo, "The session as it is now"),
+    body=UpdateSession,
+    errors={**NOT_FOUND, 400: "`invalid_request`, `invalid_json`, `invalid_title`, `invalid_metadata`"},
+)
+async def update_session(request: Request) -> Response:
+    """`title` (1 to 200 characters) replaces the session's title; `metadata`'s keys are merged
+    into the session's (a null value removes its key), within the limits a new session's
+    metadata has (64 keys, keys of 1 to 128 characters, 16 KiB as JSON)."""
+    body: UpdateSession = decode(update_session_decoder, await read_body(request))
+    info = await harness_of(request).sessions.update(
+        request.path_params["sid"],
+        owner_of(request),
+        title=body.title if isinstance(body.title, str) else None,
+        metadata=body.metadata if isinstance(body.metadata, dict) else None,
+    )
     return json_response(info)
 
 

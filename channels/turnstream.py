@@ -311,7 +311,10 @@ class TurnReader:
             done = await harness.sessions.submit(sid, owner, text, context, message_id)
             if done.duplicate and await harness.sessions.message_text(sid, owner, done.received_id) not in (text, None):
                 raise ChannelError(
-                    409, "message_edited", f"message {message_id[:64]} was sent with other text: editing needs forks"
+                    409,
+                    "message_edited",
+                    f"message {message_id[:64]} was sent with other text: to edit it, fork the session before it "
+                    "(POST /v1/sessions/{id}/fork) and send the new text there",
                 )
         except BaseException:
             self.give_place(armed)

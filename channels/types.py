@@ -14,6 +14,15 @@ class CreateSession(msgspec.Struct, forbid_unknown_fields=True):
     metadata: dict[str, Any] = {}
 
 
+class ForkSession(msgspec.Struct, forbid_unknown_fields=True):
+    before_message_id: str | None = None  # the fork's history stops before this message's turn
+
+
+class UpdateSession(msgspec.Struct, forbid_unknown_fields=True):
+    title: str | msgspec.UnsetType = msgspec.UNSET
+    metadata: dict[str, Any] | msgspec.UnsetType = msgspec.UNSET  # keys merged; a null value removes its key
+
+
 class SendMessage(msgspec.Struct, forbid_unknown_fields=True):
     text: Text
     context: ContextValue = None
@@ -71,6 +80,8 @@ class WsPing(msgspec.Struct, tag="ping", tag_field="type", forbid_unknown_fields
 WsFrame = WsMessage | WsRespond | WsCancel | WsCompact | WsClear | WsPing
 
 create_session_decoder = msgspec.json.Decoder(CreateSession)
+update_session_decoder = msgspec.json.Decoder(UpdateSession)
+fork_session_decoder = msgspec.json.Decoder(ForkSession)
 ws_frame_decoder = msgspec.json.Decoder(WsFrame)
 empty_decoder = msgspec.json.Decoder(Empty)
 cancel_decoder = msgspec.json.Decoder(CancelTurn)

@@ -89,6 +89,31 @@ class SessionInfo(msgspec.Struct, frozen=True):
     usage: dict[str, int]
     metadata: dict[str, Any]
     created_at: float
+    title: str | None = None  # set (PATCH), or the start of its first message; None before one
+    updated_at: float = 0.0  # its latest activity: a message, a turn's end or pause
+
+
+SESSIONS_PAGE_MAX = 100  # sessions a page of the list holds at most
+
+
+class ListedSession(msgspec.Struct, frozen=True):
+    """One session as its owner's list shows it."""
+
+    session_id: str
+    title: str | None  # set (PATCH), or the start of its first message; None before one
+    status: SessionStatus
+    metadata: dict[str, Any]
+    created_at: float
+    updated_at: float  # its latest activity: a message, a turn's end or pause
+    preview: str  # the start of its last message (the user's or the agent's)
+
+
+class SessionPage(msgspec.Struct, frozen=True):
+    """A page of an owner's sessions, most recent activity first; `next_cursor` asks for the
+    next one (None after the last)."""
+
+    items: list[ListedSession]
+    next_cursor: str | None
 
 
 class Armed(Protocol):

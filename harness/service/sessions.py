@@ -11,8 +11,11 @@ every reader told) or when it was left alone for the session TTL (all of it expi
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from typing import Any, cast
+
+import msgspec
 
 from harness import failpoints
 from harness.errors import Conflict, InvalidInput, NotFound
@@ -31,9 +34,11 @@ from harness.store import (
     Store,
     Submitted,
     Watch,
+    cursor_of,
     streamids,
 )
 from harness.types import (
+    SESSIONS_PAGE_MAX,
     Answer,
     Armed,
     EntryKind,
@@ -41,6 +46,8 @@ from harness.types import (
     Item,
     PageContext,
     SessionInfo,
+    SessionPage,
+    SessionStatus,
     SubmitResult,
     TurnAt,
     TurnOutcome,
@@ -48,6 +55,22 @@ from harness.types import (
 )
 
 MAX_REASON = 2_000
+METADATA_KEYS_MAX = 64  # a session's metadata: at most this many keys ...
+METADATA_KEY_CHARS = 128  # ... each of 1 to this many characters ...
+METADATA_BYTES_MAX = 16_384  # ... and this many bytes as JSON
+TITLE_CHARS_MAX = 200
+FILTERS_MAX = 8  # metadata filters of one listing
+_enc = msgspec.json.Encoder()
+
+
+def check_metadata(metadata: dict[str, Any]) -> None:
+    """A session's metadata within its limits (at creation and after a change)."""
+    if len(metadata) > METADATA_KEYS_MAX:
+        raise InvalidInput(f"metadata holds at most {METADATA_KEYS_MAX} keys", code="invalid_metadata")
+    if any(not 0 < len(key) <= METADATA_KEY_CHARS for key in metadata):
+        raise InvalidInput(f"a metadata key is 1 to {METADATA_KEY_CHARS} characters", code="invalid_metadata")
+    if len(_enc.encode(metadata)) > METADATA_BYTES_MAX:
+        raise InvalidInput(f"metadata is at most {METADATA_BYTES_MAX} bytes as JSON", code="invalid_metadata")
 
 
 def check_session_id(sid: str) -> str:
@@ -70,9 +93,35 @@ class Sessions:
 
     async def create(self, owner: str, metadata: dict[str, Any] | None = None) -> str:
         """A new session of `owner`; its id."""
+        check_metadata(metadata or {})
         sid = new_id("ses")
         await self.store.create(sid, owner, metadata or {})
         return sid
+
+    async def fork(self, sid: str, owner: str, before_message_id: str | None = None) -> str:
+        """A new session of `owner` with the source's metadata and history: all of it (but a
+        turn in progress), or what came before message `before_message_id`'s turn; no pending
+        requests, no queue, no page context. The source stays as it is. The new session's id."""
+        check_session_id(sid)
+        if before_message_id is not None:
+            check_message_id(before_message_id)
+        new_sid = new_id("ses")
+        await self.store.fork(sid, owner, new_sid, before_message_id)
+        return new_sid
+
+    async def update(
+        self, sid: str, owner: str, *, title: str | None = None, metadata: dict[str, Any] | None = None
+    ) -> SessionInfo:
+        """Rename the session, and change its metadata: the keys given set (a None value
+        removes its key), the others kept. The session as it is then."""
+        check_session_id(sid)
+        if title is not None and not 0 < len(title) <= TITLE_CHARS_MAX:
+            raise InvalidInput(f"a title is 1 to {TITLE_CHARS_MAX} characters", code="invalid_title")
+        if metadata is not None and any(not 0 < len(key) <= METADATA_KEY_CHARS for key in metadata):
+            raise InvalidInput(f"a metadata key is 1 to {METADATA_KEY_CHARS} characters", code="invalid_metadata")
+        if title is not None or metadata:
+            await self.store.update(sid, owner, title=title, metadata=metadata or None, check=check_metadata)
+        return await self.info(sid, owner)
 
     async def submit(
         self,
@@ -275,6 +324,30 @@ class Sessions:
             usage=usage,
             metadata=meta.metadata,
             created_at=meta.created_at,
+            title=meta.title,
+            updated_at=meta.updated_at,
+        )
+
+    async def listing(
+        self,
+        owner: str,
+        *,
+        limit: int = 20,
+        cursor: str | None = None,
+        status: str | None = None,
+        metadata: dict[str, str] | None = None,
+    ) -> SessionPage:
+        """The owner's sessions, most recent activity first, a page at a time (`cursor`: the
+        page before's `next_cursor`), those with `status` and these metadata values only."""
+        if not 0 < limit <= SESSIONS_PAGE_MAX:
+            raise InvalidInput(f"limit is 1 to {SESSIONS_PAGE_MAX}", code="invalid_query")
+        if status is not None and status not in ("idle", "running", "waiting"):
+            raise InvalidInput("status is idle, running or waiting", code="invalid_query")
+        if metadata is not None and len(metadata) > FILTERS_MAX:
+            raise InvalidInput(f"at most {FILTERS_MAX} metadata filters", code="invalid_query")
+        at = cursor_of(cursor) if cursor is not None else None
+        return await self.store.catalog.page(
+            owner, limit=limit, cursor=at, status=cast(SessionStatus | None, status), metadata=metadata, now=time.time()
         )
 
     async def turn_in_progress(self, sid: str, owner: str) -> TurnAt | None:

@@ -28,6 +28,7 @@ jobs and dead letters), `quotas` (rate-limit buckets and their script), `client`
 connection and error translation).
 """
 
+from harness.store.catalog import cursor_of
 from harness.store.client import Client, connect, is_cluster_node, reachable
 from harness.store.deliveries import Deliveries, DeliveryState, Failing, relay_queue
 from harness.store.hooks import Subscriptions, new_subscription
@@ -60,6 +61,7 @@ from harness.store.types import (
 )
 
 __all__ = [
+    "PAGE_MAX",
     "AlreadyAnswered",
     "AwaitingAnswers",
     "BeginOutcome",
@@ -82,6 +84,7 @@ __all__ = [
     "NoWork",
     "NothingToCancel",
     "Outbox",
+    "Page",
     "RateBuckets",
     "Recorded",
     "Responded",
@@ -94,6 +97,7 @@ __all__ = [
     "Watch",
     "Withheld",
     "connect",
+    "cursor_of",
     "is_cluster_node",
     "new_subscription",
     "reachable",

@@ -97,6 +97,15 @@ def session_of(key: str) -> str:
     return key.split("{", 1)[1].rsplit("}", 1)[0]
 
 
+class OwnerKeys:
+    """One owner's list of sessions (its own hash tag: another slot than its sessions')."""
+
+    __slots__ = ("sessions",)
+
+    def __init__(self, owner: str) -> None:
+        self.sessions = f"{PREFIX}:{{owner:{owner}}}:sessions"  # sorted set: session id by latest activity (ms)
+
+
 class QuotaKeys:
     """One API key's rate-limit bucket (its own hash tag: owners spread over a cluster)."""
 

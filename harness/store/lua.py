@@ -110,9 +110,9 @@ end
 # session its message is for).
 _CREATE = """
 local function create_session(C)
-  redis.call('HSET', K.meta, 'owner', C.owner, 'created_at', C.created_at, 'metadata', C.metadata,
-    'status', 'idle', 'seq', 0, 'fence', 0, 'turn', '', 'turn_start', 0, 'hist_start', 0,
-    'waiting_on', '', 'undecided', 0, 'cancel', '')
+  redis.call('HSET', K.meta, 'owner', C.owner, 'created_at', C.created_at, 'updated_at', C.created_at,
+    'metadata', C.metadata, 'status', 'idle', 'seq', 0, 'fence', 0, 'turn', '', 'turn_start', 0,
+    'hist_start', 0, 'waiting_on', '', 'undecided', 0, 'cancel', '')
   return emit(C.retention, EV.SessionCreated, C.body)
 end
 """
@@ -220,6 +220,65 @@ if redis.call('GET', K.lease) ~= A.fence then return reply({held = false}) end
 redis.call('DEL', K.lease)
 redis.call('HSET', K.meta, 'held', 0)
 return reply({held = true})
+"""
+)
+
+# What a fork is made from, read at one moment: the source's meta as the fork needs it, its
+# active history, and where message `A.message_id` (if any) stands: its turn (from the message
+# ids), and whether it still waits in the inbox. Writes nothing.
+FORK_READ = (
+    _COMMON
+    + """
+if not owns(A.owner) then return reply({tag = 'missing'}) end
+local m = redis.call('HMGET', K.meta, 'metadata', 'title', 'turn', 'turn_start', 'hist_start')
+local out = {tag = 'ok', metadata = m[1], title = m[2] or '', turn = m[3] or '', turn_start = tonumber(m[4]),
+  hist_start = tonumber(m[5]), items = redis.call('LRANGE', K.history, tonumber(m[5]), -1)}
+if A.message_id ~= '' then
+  local found = redis.call('HGET', K.mids, A.message_id)
+  out.message_turn = found and string.match(found, '^(%S+) ') or ''
+  local head = '{"message_id":' .. cjson.encode(A.message_id) .. ','
+  for _, entry in ipairs(redis.call('LRANGE', K.inbox, 0, -1)) do
+    if string.sub(entry, 1, #head) == head then out.queued = true end
+  end
+end
+return reply(out)
+"""
+)
+
+# A new session made from another's history (a fork): its meta as CREATE makes it, with the
+# items given as its whole history (active from the first), its title and preview the source's.
+# The caller read the source (in its own slot: on a cluster, another node), which is left as it is.
+FORK = (
+    _COMMON
+    + _EMIT
+    + _KEEP
+    + _CREATE
+    + """
+if redis.call('EXISTS', K.meta) == 1 then return reply({tag = 'exists'}) end
+local id = create_session(A.create)
+local length = 0
+for j = 1, #A.items, 1000 do  -- (unpack has a limit: a long history goes in slices)
+  length = redis.call('RPUSH', K.history, unpack(A.items, j, math.min(j + 999, #A.items)))
+end
+redis.call('HSET', K.meta, 'turn_start', length, 'preview', A.preview)
+if A.title ~= '' then redis.call('HSET', K.meta, 'title', A.title) end
+keep(A.create.ttl_ms)
+return reply({tag = 'ok', id = id, seq = first_seq})
+"""
+)
+
+# A session's title and metadata changed (PATCH): the metadata only if it is still the JSON the
+# caller merged its change into (`A.expected`; else 'changed', and nothing is written).
+UPDATE = (
+    _COMMON
+    + """
+if not owns(A.owner) then return reply({tag = 'missing'}) end
+if A.metadata then
+  if redis.call('HGET', K.meta, 'metadata') ~= A.expected then return reply({tag = 'changed'}) end
+  redis.call('HSET', K.meta, 'metadata', A.metadata)
+end
+if A.title then redis.call('HSET', K.meta, 'title', A.title) end
+return reply({tag = 'ok'})
 """
 )
 

@@ -100,6 +100,7 @@ local function begin_turn(B)
   out.last_in = tonumber(meta[9]) or 0
   out.last_est = tonumber(meta[10]) or 0
   out.epoch = meta[12] or ''
+  out.owner = meta[1]
   return out
 end
 """
@@ -131,6 +132,10 @@ end
 if A.max_queued > 0 and redis.call('LLEN', K.inbox) > A.max_queued then return reply({tag = 'full'}) end
 local id = emit(A.retention, EV.MessageReceived, A.body)
 local out = {tag = 'new', id = id, seq = last_seq, created = created}
+-- the list's view of the session: its latest activity, the start of its last message, and its
+-- title until one is set (the start of its first message)
+redis.call('HSET', K.meta, 'updated_at', A.at, 'preview', A.preview)
+redis.call('HSETNX', K.meta, 'title', A.title)
 redis.call('HSET', K.mids, A.message_id, A.turn_id .. ' ' .. id)
 if redis.call('HLEN', K.mids) == 1 then expire_with_meta(K.mids) end
 local queued = redis.call('RPUSH', K.inbox, A.entry)
@@ -218,6 +223,10 @@ elseif A.mode == 'final' then
   out.cancel = false
   out.tag = 'more'
   if left == 0 then redis.call('DEL', K.lease); out.tag = 'done' end
+end
+if A.mode ~= 'step' and A.at ~= '' then  -- a turn's end (or pause) is activity too
+  redis.call('HSET', K.meta, 'updated_at', A.at)
+  if A.preview ~= '' then redis.call('HSET', K.meta, 'preview', A.preview) end
 end
 if before == 0 and length > 0 then expire_with_meta(K.history) end
 if #A.requests > 0 then expire_with_meta(K.pending) end

@@ -126,6 +126,7 @@ class Began(Reply, tag="ok"):
     last_est: int = 0
     took_over: bool = False  # the turn was in progress under a lease that lapsed
     epoch: str = ""  # the session's created_at (what a cached copy of its history is of)
+    owner: str = ""
 
 
 class LeaseTaken(Reply, tag="busy"):
@@ -159,6 +160,9 @@ class SubmitArgs(msgspec.Struct, frozen=True):
     create: CreateArgs | None = None  # create the session first if it does not exist
     max_queued: int = 0  # refuse ('full') when this many already wait behind the current turn
     ttl_ms: int = 0  # every key of the session expires this long from now (0: never)
+    at: str = ""  # now: the session's updated_at
+    preview: str = ""  # the start of the message (the session's preview)
+    title: str = ""  # the session's title, if it has none yet (the start of the message)
 
 
 class New(Reply, tag="new"):
@@ -227,6 +231,8 @@ class CommitArgs(msgspec.Struct, frozen=True):
     guard: bool = False  # with a cancel pending, write nothing but the usage
     announce: list[EventArg] = []  # events written only if no cancel is pending
     ttl_ms: int = 0  # with 'final' or 'pause': every key of the session expires this long from now (0: never)
+    at: str = ""  # with 'final' or 'pause': now, the session's updated_at
+    preview: str = ""  # with 'final' or 'pause': the start of the turn's reply ("": leave the preview)
 
 
 class CommitWritten(Reply):
@@ -328,6 +334,47 @@ class Count(msgspec.Struct, frozen=True):
     n: int
 
 
+# ---- FORK --------------------------------------------------------------------------------
+
+
+class ForkReadArgs(msgspec.Struct, frozen=True):
+    owner: str
+    message_id: str = ""  # the message the fork is to stop before ("": none)
+
+
+class Source(Reply, tag="ok"):
+    metadata: str  # JSON
+    title: str
+    turn: str  # the turn in progress ("" between turns)
+    turn_start: int  # where it begins in the history list
+    hist_start: int  # where the active history begins
+    items: list[str]  # the active history (encoded Items)
+    message_turn: str = ""  # the turn of `message_id` ("": no such message)
+    queued: bool = False  # `message_id` waits in the inbox (its turn running, or to come)
+
+
+class ForkArgs(msgspec.Struct, frozen=True):
+    create: CreateArgs
+    items: list[str]  # encoded Items: the new session's whole history
+    title: str = ""  # the source's ("": none yet)
+    preview: str = ""
+
+
+# ---- UPDATE (PATCH) -----------------------------------------------------------------------
+
+
+class UpdateArgs(msgspec.Struct, frozen=True):
+    owner: str
+    title: str | None = None  # the new title
+    metadata: str | None = None  # the new metadata (JSON) ...
+    expected: str = ""  # ... if the stored one is still this
+
+
+class Changed(Reply, tag="changed"):
+    """What the script was to check had changed since it was read: nothing was written (DELETE:
+    a relay began on another destination since `relays` was read; UPDATE: the metadata)."""
+
+
 # ---- DELETE ------------------------------------------------------------------------------
 
 
@@ -338,10 +385,6 @@ class DeleteArgs(msgspec.Struct, frozen=True):
 
 class Deleted(Reply, tag="ok"):
     turn_id: str  # the turn that was in progress ("" if none)
-
-
-class Changed(Reply, tag="changed"):
-    """A relay began on another destination since `relays` was read: nothing was deleted."""
 
 
 _SESSION = ("meta", "inbox", "lease", "history", "sticky", "outbox", "decisions")
@@ -362,6 +405,9 @@ RENEW: Script[Held] = Script(lua.RENEW, ("lease",), Held)
 RELEASE: Script[Held] = Script(lua.RELEASE, ("lease", "meta"), Held)
 # (the keys of each destination's delivery state and lease follow the session's own)
 DELETE: Script[Deleted | Changed | Missing] = Script(lua.DELETE, _ALL, Deleted | Changed | Missing)
+UPDATE: Script[Done | Changed | Missing] = Script(lua.UPDATE, ("meta",), Done | Changed | Missing)
+FORK_READ: Script[Source | Missing] = Script(lua.FORK_READ, ("meta", "history", "mids", "inbox"), Source | Missing)
+FORK: Script[Added | Exists] = Script(lua.FORK, ("meta", "outbox", "history"), Added | Exists)
 SCRIPTS: tuple[Script[object], ...] = (
     CREATE,
     ENQUEUE,
@@ -375,4 +421,7 @@ SCRIPTS: tuple[Script[object], ...] = (
     RENEW,
     RELEASE,
     DELETE,
+    UPDATE,
+    FORK_READ,
+    FORK,
 )

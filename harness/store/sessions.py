@@ -20,7 +20,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import msgspec
@@ -45,8 +45,8 @@ from harness.events import (
     pending,
     written,
 )
+from harness.store import catalog, protocol_relay, quotas
 from harness.store import protocol as p
-from harness.store import protocol_relay, quotas
 from harness.store.cache import HistoryCache
 from harness.store.client import Client, translated
 from harness.store.clusterwire import wire_for
@@ -99,6 +99,7 @@ _inbox = msgspec.json.Decoder(InboxMessage)
 _metadata = msgspec.json.Decoder(dict[str, Any])
 KNOWN_MAX = 100_000
 DELETE_TRIES = 5  # a delete that finds a relay begun on another destination reads `relays` again
+UPDATE_TRIES = 32  # a metadata change that finds another made meanwhile merges again (each round one wins)
 
 
 def _missing(sid: str) -> NotFound:
@@ -128,6 +129,7 @@ class Store:
         self.hooks = Subscriptions(redis)
         self.deliveries = Deliveries(redis, self.wire)
         self.buckets = quotas.RateBuckets(self.wire)
+        self.catalog = catalog.Catalog(self.wire, ttl_ms)
         self.stats = stats or HarnessStats()
         self.retention = retention
         self.ttl_ms = ttl_ms  # a session left alone this long expires, all of it (0: never)
@@ -165,9 +167,27 @@ class Store:
     async def ping(self) -> None:
         await self.redis.ping()
 
-    async def _run(self, script: p.Script[R], sid: str, args: msgspec.Struct) -> R:
-        raw = await self.wire.script(script.sha, script.source, script.keys(SessionKeys(sid)), script.args(args))
+    async def _run(self, script: p.Script[R], sid: str, args: msgspec.Struct, also: Sequence[Any] = ()) -> R:
+        keys = script.keys(SessionKeys(sid))
+        if also:
+            raw, *_ = await self.wire.script_with(script.sha, script.source, keys, script.args(args), also)
+        else:
+            raw = await self.wire.script(script.sha, script.source, keys, script.args(args))
         return script.reply(raw)
+
+    @staticmethod
+    def _activity(sid: str, items: Sequence[Item], mode: CommitMode) -> dict[str, str]:
+        """A turn's end or pause as its session's activity: when, and the start of its reply."""
+        if mode == "step":
+            return {}
+        reply = next((i.text for i in reversed(items) if i.role == "assistant" and i.kind == "message" and i.text), "")
+        return {"at": repr(time.time()), "preview": reply[: catalog.PREVIEW_CHARS]}
+
+    def _touched(self, sid: str, at: str) -> list[tuple[Any, ...]]:
+        """The session's new place in its owner's list (its owner known here: a turn's BEGIN
+        tells it), to go with the script that records the activity `at`."""
+        owner = self._known.get(sid)
+        return catalog.touch(owner, sid, float(at), self.ttl_ms) if at and owner is not None else []
 
     def _published(self, sid: str, events: list[StoredEvent], *, settled: bool = False) -> None:
         """What this process committed: counted, handed to its readers; a settled turn's owner's
@@ -186,15 +206,28 @@ class Store:
         and a relay job for each of the owner's webhooks, in one round trip."""
         created = body(None, SessionCreatedData(metadata))
         metadata_json = _enc.encode(metadata).decode()
-        args = p.CreateArgs(owner, repr(time.time()), metadata_json, self.retention, created.decode(), self.ttl_ms)
+        now = time.time()
+        args = p.CreateArgs(owner, repr(now), metadata_json, self.retention, created.decode(), self.ttl_ms)
+        return await self._new_session(p.CREATE, sid, owner, args, created=created, now=now)
+
+    async def _new_session(
+        self,
+        script: p.Script[p.Added | p.Exists],
+        sid: str,
+        owner: str,
+        args: msgspec.Struct,
+        *,
+        created: bytes,
+        now: float,
+    ) -> StoredEvent:
+        """Run the script that makes session `sid` (CREATE, FORK) with, in the same round trip,
+        its place in its owner's list and a relay job for each of the owner's webhooks; its
+        session.created (Conflict if the id is taken)."""
         destinations = await self.hooks.targets(owner)
-        if destinations:
-            keys = p.CREATE.keys(SessionKeys(sid))
-            also = [relay_job(sid, d) for d in destinations]
-            raw, *_ = await self.wire.script_with(p.CREATE.sha, p.CREATE.source, keys, p.CREATE.args(args), also)
-            res = p.CREATE.reply(raw)
-        else:
-            res = await self._run(p.CREATE, sid, args)
+        also = [*catalog.touch(owner, sid, now, self.ttl_ms), *(relay_job(sid, d) for d in destinations)]
+        keys = script.keys(SessionKeys(sid))
+        raw, *_ = await self.wire.script_with(script.sha, script.source, keys, script.args(args), also)
+        res = script.reply(raw)
         if isinstance(res, p.Exists):
             raise Conflict(f"session {sid} exists", code="session_exists")
         self._remember(sid, owner)
@@ -215,7 +248,9 @@ class Store:
             for d in destinations:
                 keys += [DeliveryKeys(sid, d).state, DeliveryKeys(sid, d).lease]
             args = p.DELETE.args(p.DeleteArgs(owner, destinations))
-            res = p.DELETE.reply(await self.wire.script(p.DELETE.sha, p.DELETE.source, keys, args))
+            also = [catalog.untouch(owner, sid)]  # (harmless for one not deleted: a page drops it if it is still there)
+            raw, *_ = await self.wire.script_with(p.DELETE.sha, p.DELETE.source, keys, args, also)
+            res = p.DELETE.reply(raw)
             if isinstance(res, p.Missing):
                 raise _missing(sid)
             if isinstance(res, p.Deleted):
@@ -226,6 +261,75 @@ class Store:
                 self.hub.ended(sid)
                 return res.turn_id
         raise Unavailable(f"session {sid}: its deliveries kept changing; delete it again")
+
+    @translated
+    async def fork(self, sid: str, owner: str, new_sid: str, before_message_id: str | None = None) -> StoredEvent:
+        """A new session `new_sid` of the same owner and metadata whose history is the source's
+        active history: all of it, or what came before message `before_message_id`'s turn; a
+        turn in progress is never in it. The source is only read. NotFound (`message_not_found`)
+        for a message the source does not have; Conflict (`message_not_in_history`) for one
+        whose turn left nothing in the active history (compacted away, cleared, or cancelled
+        before it began). Returns the new session's session.created."""
+        src = await self._run(p.FORK_READ, sid, p.ForkReadArgs(owner, before_message_id or ""))
+        if isinstance(src, p.Missing):
+            raise _missing(sid)
+        items = [item_decoder.decode(raw) for raw in src.items]
+        end = max(0, src.turn_start - src.hist_start) if src.turn else len(items)  # (finished turns only)
+        if before_message_id is not None:
+            if not src.message_turn:
+                raise NotFound(f"no message {before_message_id} in session {sid}", code="message_not_found")
+            cut = next((n for n, item in enumerate(items) if item.turn_id == src.message_turn), None)
+            if cut is None and not (src.queued or src.message_turn == src.turn):
+                raise Conflict(
+                    f"message {before_message_id}'s turn left nothing in the active history (compacted away, "
+                    "cleared, or cancelled before it began): fork before a later message",
+                    code="message_not_in_history",
+                )
+            end = min(end, cut if cut is not None else end)
+        kept = items[:end]
+        metadata = _metadata.decode(src.metadata)
+        created = body(None, SessionCreatedData(metadata))
+        now = time.time()
+        create = p.CreateArgs(owner, repr(now), src.metadata, self.retention, created.decode(), self.ttl_ms)
+        last = next((i.text for i in reversed(kept) if i.kind == "message" and i.text), "")
+        args = p.ForkArgs(create, [_enc.encode(i).decode() for i in kept], src.title, last[: catalog.PREVIEW_CHARS])
+        return await self._new_session(p.FORK, new_sid, owner, args, created=created, now=now)
+
+    @translated
+    async def update(
+        self,
+        sid: str,
+        owner: str,
+        *,
+        title: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        check: Callable[[dict[str, Any]], None] = lambda merged: None,
+    ) -> None:
+        """Set the session's title, and merge `metadata` into its metadata (a None value
+        removes its key); `check` sees the merged metadata before it is written (and may refuse
+        it). A merge is written only onto the metadata it was made from: a concurrent change
+        makes it merge again."""
+        k = SessionKeys(sid)
+        for _ in range(UPDATE_TRIES):
+            args = p.UpdateArgs(owner, title)
+            if metadata is not None:
+                raw: Any = await self.redis.hmget(k.meta, ["owner", "metadata"])
+                if raw[0] != owner.encode():
+                    raise _missing(sid)
+                merged = _metadata.decode(raw[1])
+                for key, value in metadata.items():
+                    if value is None:
+                        merged.pop(key, None)
+                    else:
+                        merged[key] = value
+                check(merged)
+                args = p.UpdateArgs(owner, title, _enc.encode(merged).decode(), raw[1].decode())
+            res = await self._run(p.UPDATE, sid, args)
+            if isinstance(res, p.Missing):
+                raise _missing(sid)
+            if isinstance(res, p.Done):
+                return
+        raise Unavailable(f"session {sid}: its metadata kept changing; send the change again")
 
     @translated
     async def meta(self, sid: str, owner: str) -> SessionMeta:
@@ -246,6 +350,8 @@ class Store:
             cached_tokens=int(meta.get("u_cached", 0)),
             cache_write_tokens=int(meta.get("u_cwrite", 0)),
             model_calls=int(meta.get("u_calls", 0)),
+            title=meta.get("title"),
+            updated_at=float(meta.get("updated_at", meta["created_at"])),
         )
 
     @translated
@@ -288,6 +394,7 @@ class Store:
         channel's destination: then it is one round trip whatever this process knows of the
         session), else for each of the owner's webhooks, goes in the same round trip."""
         received = body(message.turn_id, MessageReceivedData(message.message_id, message.text))
+        now = time.time()
         begin = None
         have_start, have, epoch = self._cached(sid)
         if begin_lease_ms is not None:
@@ -310,10 +417,13 @@ class Store:
             new_session,
             self.max_queued,
             self.ttl_ms,
+            at=repr(now),
+            preview=message.text[: catalog.PREVIEW_CHARS],
+            title=message.text[: catalog.TITLE_CHARS],
         )
         destinations = [deliver_to] if deliver_to else await self.hooks.targets(owner)
         look = deliver_to is None and create is None
-        res, job = await self._with_job(p.SUBMIT, sid, owner, args, destinations, look_first=look)
+        res, job = await self._with_job(p.SUBMIT, sid, owner, args, destinations, look_first=look, touch=now)
         if isinstance(res, p.Duplicate):
             return Submitted(True, res.turn_id, res.received_id, job)
         if isinstance(res, p.Full):
@@ -362,15 +472,19 @@ class Store:
         destinations: Sequence[str] = (),
         *,
         look_first: bool = True,
+        touch: float | None = None,
     ) -> tuple[R, JobId]:
         """Run an owner-checked script and add the session's job (and a relay job for each of
         `destinations`), in one round trip. A session this process has not seen is looked up
         first (unless not `look_first`), so a request for an unknown one writes nothing; without
-        the look, a request for an unknown one leaves a job that finds nothing to do."""
+        the look, a request for an unknown one leaves a job that finds nothing to do. `touch`:
+        the session's activity (its place in its owner's list) is then."""
         if look_first:
             await self.look(sid, owner)
         keys = script.keys(SessionKeys(sid))
         also = [self.jobs.job(sid), *(relay_job(sid, d) for d in destinations)]
+        if touch is not None:
+            also += catalog.touch(owner, sid, touch, self.ttl_ms)
         raw, job_id, *_ = await self.wire.script_with(script.sha, script.source, keys, script.args(args), also)
         res = script.reply(raw)
         if isinstance(res, p.Missing):  # another owner's, or one deleted (or expired) since it was seen
@@ -534,6 +648,8 @@ class Store:
         if not isinstance(res, p.Began):
             return NoWork(), None
         message = inbox_decoder.decode(res.head)
+        if res.owner:  # (a turn's end moves the session in its owner's list)
+            self._remember(sid, res.owner)
         items = have if res.reused == len(have) else have[: res.reused]
         items.extend(item_decoder.decode(raw) for raw in res.items)
         self._cache.put(sid, res.start, items, res.epoch)
@@ -611,8 +727,9 @@ class Store:
             guard=guard,
             announce=[p.EventArg(e.type, e.body.decode()) for e in announce],
             ttl_ms=self.ttl_ms,
+            **self._activity(sid, items, mode),
         )
-        res = await self._run(p.COMMIT, sid, args)
+        res = await self._run(p.COMMIT, sid, args, also=self._touched(sid, args.at))
         if isinstance(res, p.Stale):
             raise StaleLease(f"session {sid}: lease {fence} is no longer held (or the session is no more)")
         if failpoint is not None:

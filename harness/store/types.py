@@ -30,6 +30,8 @@ class SessionMeta(msgspec.Struct, frozen=True):
     cached_tokens: int = 0
     cache_write_tokens: int = 0
     model_calls: int = 0
+    title: str | None = None  # set, or the start of its first message (None before one)
+    updated_at: float = 0.0  # its latest activity: a message, a turn's end or pause
 
 
 class Submitted(msgspec.Struct, frozen=True):

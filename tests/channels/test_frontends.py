@@ -158,7 +158,12 @@ async def test_ui_failed_turn_is_an_error_chunk(chat: Any) -> None:
         ({"id": "ses_nope", "messages": [user("hi", "m1")]}, 404, "session_not_found"),
         ({"messages": [user("hi", "m1")]}, 400, "invalid_request"),
         ({"id": "SID", "messages": []}, 400, "invalid_request"),
-        ({"id": "SID", "messages": [user("hi", "m1")], "trigger": "regenerate-message"}, 400, "unsupported_trigger"),
+        ({"id": "SID", "messages": [user("hi", "m1")], "trigger": "regenerate-message"}, 404, "message_not_found"),
+        (
+            {"id": "SID", "messages": [{"id": "a", "role": "assistant", "parts": []}], "trigger": "regenerate-message"},
+            400,
+            "invalid_request",
+        ),
         ({"id": "SID", "messages": [user("  ", "m1")]}, 400, "invalid_request"),
         ({"id": "SID", "messages": [user("hi", "bad id!")]}, 400, "invalid_message_id"),
         ({"id": "SID", "messages": [{"id": "a", "role": "assistant", "parts": []}]}, 400, "nothing_to_answer"),
@@ -283,6 +288,32 @@ async def test_a_browser_opens_the_frontend_routes_with_a_session_token_from_an_
         assert [i["text"] for i in history] == ["hello", "Echo: hello", "hi", "Echo: hi"]
 
 
+async def test_a_browser_regenerating_gets_a_token_for_the_fork(serve: Any) -> None:
+    agent, _, _ = frontend_agent()
+    live = await serve(agent, api_keys=("the-key",))
+    async with live.client("the-key") as backend, live.client() as browser:
+        sid = (await backend.post("/v1/sessions")).json()["session_id"]
+        token = (await backend.post(f"/v1/sessions/{sid}/tokens")).json()["token"]
+        browser.headers["Authorization"] = f"Bearer {token}"
+        await chunks_of(browser, "POST", "/v1/chat", {"id": sid, "messages": [user("hello", "m1")]})
+        again = {"id": sid, "messages": [user("hello", "m1")], "trigger": "regenerate-message"}
+        async with browser.stream("POST", "/v1/chat", json=again) as resp:
+            assert resp.status_code == 200
+            fork = resp.headers["x-keel-session-id"]
+            lines = [json.loads(line[6:]) async for line in resp.aiter_lines() if line.startswith("data: {")]
+        keel = lines[0]["messageMetadata"]["keel"]
+        assert lines[0]["type"] == "start" and keel["session_id"] == fork != sid
+        assert text_of(lines) == "Echo: hello"
+        # the source's token does not open the fork; the fork's does, and nothing else
+        assert (await browser.get(f"/v1/chat/{fork}/stream")).status_code == 401
+        browser.headers["Authorization"] = f"Bearer {keel['token']}"
+        got = await chunks_of(browser, "POST", "/v1/chat", {"id": fork, "messages": [user("next", "m2")]})
+        assert text_of(got[:-1]) == "Echo: next"
+        assert (await browser.get(f"/v1/chat/{sid}/stream")).status_code == 401
+        history = (await backend.get(f"/v1/sessions/{fork}/history")).json()["items"]
+        assert [i["text"] for i in history] == ["hello", "Echo: hello", "next", "Echo: next"]
+
+
 def approval_of(chunks: list[Any]) -> list[dict[str, Any]]:
     return [g for g in chunks if g != "[DONE]" and g["type"] == "tool-approval-request"]
 
@@ -386,13 +417,23 @@ async def test_a_new_message_while_a_turn_waits_for_approval_is_refused(chat: An
     assert (await c.get(f"/v1/sessions/{sid}")).json()["queued"] == 0
 
 
-async def test_a_sent_message_edited_is_refused_not_replayed(chat: Any) -> None:
+async def test_a_sent_message_edited_goes_on_in_a_fork(chat: Any) -> None:
+    """useChat's edit (the same message id, other text): the session is forked before the
+    message and the new text sent there; the source is left as it was."""
     c, sid, _, _ = chat
     await chunks_of(c, "POST", "/v1/chat", {"id": sid, "messages": [user("hello", "m1")]})
-    edited = await c.post("/v1/chat", json={"id": sid, "messages": [user("goodbye", "m1")], "messageId": "m1"})
-    assert edited.status_code == 409 and edited.json()["error"]["code"] == "message_edited"
+    await chunks_of(c, "POST", "/v1/chat", {"id": sid, "messages": [user("more", "m2")]})
+    edited = await chunks_of(c, "POST", "/v1/chat", {"id": sid, "messages": [user("goodbye", "m2")], "messageId": "m2"})
+    fork = edited[0]["messageMetadata"]["keel"]["session_id"]
+    assert text_of(edited[:-1]) == "Echo: goodbye"
     history = (await c.get(f"/v1/sessions/{sid}/history")).json()["items"]
-    assert [i["text"] for i in history] == ["hello", "Echo: hello"]
+    assert [i["text"] for i in history] == ["hello", "Echo: hello", "more", "Echo: more"]
+    history = (await c.get(f"/v1/sessions/{fork}/history")).json()["items"]
+    assert [i["text"] for i in history] == ["hello", "Echo: hello", "goodbye", "Echo: goodbye"]
+    # the AG-UI run has no edit: the same message id with other text stays refused
+    run = {"threadId": sid, "runId": "r9", "messages": [{"id": "m2", "role": "user", "content": "other"}]}
+    refused = await c.post("/v1/agui", json=run)
+    assert refused.status_code == 409 and refused.json()["error"]["code"] == "message_edited"
 
 
 async def test_resume_during_a_compaction_is_nothing_to_resume(chat: Any) -> None:

@@ -54,6 +54,33 @@ async def test_use_chat_text(keel: Any) -> None:
     assert user_id  # (the message's id is keel's message_id: a resend is one message)
 
 
+async def test_use_chat_regenerate_streams_a_new_reply_from_a_fork(keel: Any) -> None:
+    """`regenerate()`: keel forks the session before the last message and sends it again there;
+    the new assistant message names the fork (its metadata), the source keeps both turns."""
+    live, c, session, _, _ = keel
+    sid = await session()
+    done = await run_script("chat.mjs", "regenerate", live.base, sid)
+    assert done["status"] == "ready" and done["error"] is None and done["warnings"] == []
+    assert [(m["role"], m["text"]) for m in done["messages"]] == [
+        ("user", "hello one"),
+        ("assistant", "Echo: hello one"),
+        ("user", "hello two"),
+        ("assistant", "Echo: hello two"),
+    ]
+    fork = assistant(done)["metadata"]["keel"]["session_id"]
+    assert fork != sid
+    both = [
+        ("user", "hello one"),
+        ("assistant", "Echo: hello one"),
+        ("user", "hello two"),
+        ("assistant", "Echo: hello two"),
+    ]
+    assert await history_texts(c, fork) == both
+    assert await history_texts(c, sid) == both  # the source as it was (the same replies: the agent echoes)
+    source_turns = (await c.get(f"/v1/sessions/{sid}")).json()["usage"]["model_calls"]
+    assert source_turns == 2 and (await c.get(f"/v1/sessions/{fork}")).json()["usage"]["model_calls"] == 1
+
+
 async def test_use_chat_tools(keel: Any) -> None:
     live, _, session, runs, _ = keel
     done = await run_script("chat.mjs", "tools", live.base, await session())

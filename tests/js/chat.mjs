@@ -115,7 +115,13 @@ function finish(chat) {
   log("done", {
     status: chat.status,
     error: chat.error ? String(chat.error.message ?? chat.error) : null,
-    messages: chat.messages.map((m) => ({ id: m.id, role: m.role, text: textOf(m), tools: toolParts(m) })),
+    messages: chat.messages.map((m) => ({
+      id: m.id,
+      role: m.role,
+      text: textOf(m),
+      tools: toolParts(m),
+      metadata: m.metadata ?? null,
+    })),
     chunks: seen,
     warnings,
   });
@@ -126,6 +132,16 @@ async function main() {
   if (scenario === "text" || scenario === "tools") {
     await chat.sendMessage({ text: scenario === "text" ? "hello from useChat" : "weather Lisbon" });
     await chat.until(settled, "the reply");
+    finish(chat);
+  } else if (scenario === "regenerate") {
+    // two turns, then the last reply made again (keel forks the session before its message)
+    await chat.sendMessage({ text: "hello one" });
+    await chat.until(settled, "the first reply");
+    await chat.sendMessage({ text: "hello two" });
+    await chat.until(settled, "the second reply");
+    log("sent", { replied: chat.messages.at(-1).id });
+    await chat.regenerate();
+    await chat.until(settled, "the reply made again");
     finish(chat);
   } else if (scenario === "approve" || scenario === "deny") {
     await chat.sendMessage({ text: "pay 42" });
