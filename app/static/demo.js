@@ -2,7 +2,9 @@
 // Its own state outlives a reload: the selected lamp is in the URL (#/products/2) and, with
 // the cart, in localStorage. An order the agent placed (a place_order the person approved)
 // goes into the cart: the panel tells the page of each event, and the page counts each order
-// once (a reload replays the conversation's events).
+// once (a reload replays the conversation's events). The panel's conversations menu lists the
+// sessions (the demo has no API key, so the panel may ask keel itself); the one shown is kept
+// in localStorage, to show it again after a reload.
 (async function () {
   "use strict";
   const $ = (id) => document.getElementById(id);
@@ -66,10 +68,6 @@
     state.added += 1;
     show();
   });
-  $("new").addEventListener("click", () => {
-    localStorage.removeItem("keel-demo-session"); // a new conversation; the page stays as it is
-    location.reload();
-  });
   show();
 
   function followed(event) {
@@ -96,9 +94,14 @@
     url: location.origin,
     session: session,
     title: "Acme assistant",
-    token: async () => (await post("/v1/sessions/" + session + "/tokens")).token,
+    token: async (sid) => (await post("/v1/sessions/" + sid + "/tokens")).token,
     context: () => ({ route: page.route, selection: page.selection, cart: String(page.cart) }),
     question: (r) => (r.tool === "place_order" && r.arguments.item ? "Order the " + r.arguments.item + "?" : null),
     onEvent: followed,
+    conversations: true,
+    onSwitch: (sid) => {
+      window.keelDemo.session = sid;
+      localStorage.setItem("keel-demo-session", sid);
+    },
   });
 })();

@@ -5,10 +5,12 @@
      Keel.mount(document.getElementById("assistant"), {
        url: "https://your-keel",          // keel's base URL (default: this page's origin)
        session: "ses_...",                 // the session to show
-       token: async () => fetchTokenFromYourBackend(),  // or a string; re-asked on reconnect
+       token: async (session) => fetchTokenFromYourBackend(session),  // or a string; re-asked on reconnect
        context: () => ({ route: location.pathname, selection: currentSelection() }),
        question: (request) => null,        // optional: an approval's question in your words
        onEvent: (event) => {},             // optional: each committed event, once (see below)
+       conversations: true,                // optional: the conversations menu (see below)
+       onSwitch: (session) => {},          // optional: the person switched the panel to this session
      });
    </script>
 
@@ -23,7 +25,18 @@
    made from the tool's name and its one argument ("Place order: Green lamp?"). `onEvent` gets
    every committed event the panel shows (`{id, type, data}`; a reloaded page gets the
    conversation's events again: tell them apart by their ids), so the page can follow what the
-   agent did, e.g. `tool.completed`. */
+   agent did, e.g. `tool.completed`.
+
+   `conversations` puts a menu button in the panel's head: "New conversation", then the
+   person's conversations, most recent first (their titles; the one shown is checked); choosing
+   one shows it (its events from the first), and messages then go to it. `true` has the panel
+   call keel's API at `url` itself, with no key: only keel's keyless local mode (the demo page)
+   lets a page list sessions. With API keys, pass `{list: async () => [{session_id, title}],
+   create: async () => "ses_..."}` instead, backed by your backend's `GET /v1/sessions` and
+   `POST /v1/sessions`. "New conversation" on a conversation nothing was said in stays there.
+   `onSwitch(session)` tells the page which session is shown now (to show it again after a
+   reload); `token(session)` is asked for a token for that session. A message the server has
+   not acknowledged when the person switches away is sent when its conversation shows again. */
 (function () {
   "use strict";
 
@@ -32,10 +45,26 @@
 
   const STYLE = `
 .keel-panel{font:14px/1.4 system-ui,sans-serif;display:flex;flex-direction:column;height:100%;
-  border:1px solid #d0d4da;border-radius:8px;background:#fff;color:#1d232b;overflow:hidden}
+  border:1px solid #d0d4da;border-radius:8px;background:#fff;color:#1d232b;overflow:hidden;position:relative}
 .keel-panel *,.keel-panel *::before,.keel-panel *::after{box-sizing:border-box}
-.keel-head{padding:8px 12px;background:#1d232b;color:#fff;font-weight:600;display:flex;gap:8px}
-.keel-status{margin-left:auto;font-weight:400;opacity:.8}
+.keel-head{padding:8px 12px;background:#1d232b;color:#fff;font-weight:600;display:flex;align-items:center;gap:8px}
+.keel-title{min-width:0;overflow:hidden;text-overflow:ellipsis;white-space:nowrap}
+.keel-status{margin-left:auto;font-weight:400;opacity:.8;white-space:nowrap}
+.keel-menu-button{border:0;border-radius:4px;background:none;color:inherit;font:inherit;line-height:1;
+  padding:2px 6px;margin-left:-6px;cursor:pointer}
+.keel-menu-button:hover,.keel-menu-button[aria-expanded=true]{background:#ffffff26}
+.keel-menu{position:absolute;left:8px;z-index:1;width:min(280px,calc(100% - 16px));max-height:min(320px,70%);
+  overflow-y:auto;padding:4px;background:#fff;border:1px solid #d0d4da;border-radius:8px;
+  box-shadow:0 4px 16px #1d232b26}
+.keel-item{display:block;width:100%;position:relative;padding:6px 8px 6px 24px;border:0;border-radius:6px;
+  background:none;color:inherit;font:inherit;text-align:left;cursor:pointer;white-space:nowrap;overflow:hidden;
+  text-overflow:ellipsis}
+.keel-item:hover,.keel-item:focus{background:#eef0f3;outline:none}
+.keel-item:focus-visible{outline:2px solid #2f6fed;outline-offset:-2px}
+.keel-item[aria-checked=true]{font-weight:600}
+.keel-item[aria-checked=true]::before{content:"✓";position:absolute;left:8px}
+.keel-menu hr{margin:4px 0;border:0;border-top:1px solid #d0d4da}
+.keel-menu-note{padding:6px 8px 6px 24px;font-size:12px;color:#6b7380}
 .keel-log{flex:1;overflow-y:auto;padding:10px;display:flex;flex-direction:column;gap:6px}
 .keel-msg{padding:6px 10px;border-radius:10px;max-width:85%;white-space:pre-wrap;overflow-wrap:anywhere}
 .keel-user{align-self:flex-end;background:#2f6fed;color:#fff}
@@ -88,9 +117,126 @@
     return "w-" + Date.now().toString(36) + Math.random().toString(36).slice(2);
   }
 
+  // The conversations of keel's API at `url`, asked with no key (keel's keyless local mode)
+  function keelConversations(url) {
+    const base = url.replace(/\/$/, "") + "/v1/sessions";
+    async function call(path, init) {
+      const r = await fetch(base + path, init);
+      if (!r.ok) throw new Error(base + path + ": " + r.status);
+      return r.json();
+    }
+    return {
+      list: async () => (await call("?limit=20")).items,
+      create: async () => {
+        const made = await call("", { method: "POST", headers: { "content-type": "application/json" }, body: "{}" });
+        return made.session_id;
+      },
+    };
+  }
+
+  // The conversations menu: a button that opens "New conversation", then what `source.list()`
+  // gives, the one `showing()` checked. `choose(session)` shows a session; `fresh(untitled)`
+  // starts one, told whether the one showing is untitled (nothing was said in it). A menu
+  // button as ARIA has it: the arrow keys, Home and End move in the menu, Escape closes it
+  // (back to the button), and so do Tab and a click elsewhere.
+  function conversationsMenu(panel, head, source, showing, choose, fresh) {
+    const button = el("button", "keel-menu-button", "☰");
+    button.type = "button";
+    button.title = "Conversations";
+    button.setAttribute("aria-label", "Conversations");
+    button.setAttribute("aria-haspopup", "menu");
+    button.setAttribute("aria-expanded", "false");
+    const menu = el("div", "keel-menu");
+    menu.id = newId();
+    menu.hidden = true;
+    menu.setAttribute("role", "menu");
+    menu.setAttribute("aria-label", "Conversations");
+    button.setAttribute("aria-controls", menu.id);
+    panel.appendChild(menu);
+    let opening = 0; // the latest open(): an older one's list arrives too late to show
+
+    function item(role, text, act) {
+      const node = el("button", "keel-item", text);
+      node.type = "button";
+      node.tabIndex = -1;
+      node.setAttribute("role", role);
+      node.onclick = () => {
+        close();
+        act();
+      };
+      return menu.appendChild(node);
+    }
+
+    function close() {
+      opening += 1;
+      menu.hidden = true;
+      button.setAttribute("aria-expanded", "false");
+    }
+
+    async function open() {
+      const mine = ++opening;
+      let untitled = false;
+      menu.replaceChildren();
+      item("menuitem", "New conversation", () => fresh(untitled));
+      menu.appendChild(el("hr")); // (a separator)
+      const note = menu.appendChild(el("div", "keel-menu-note", "loading…"));
+      menu.style.top = head.offsetHeight + 4 + "px";
+      menu.hidden = false;
+      menu.setAttribute("aria-busy", "true");
+      button.setAttribute("aria-expanded", "true");
+      menu.firstChild.focus();
+      let listed;
+      try {
+        listed = await source.list();
+      } catch (err) {
+        if (mine === opening) note.textContent = "could not load the conversations";
+        return;
+      } finally {
+        if (mine === opening) menu.removeAttribute("aria-busy");
+      }
+      if (mine !== opening) return;
+      note.remove();
+      for (const c of listed) {
+        const current = c.session_id === showing();
+        if (current && !c.title) untitled = true;
+        const node = item("menuitemradio", c.title || "Untitled conversation", () => choose(c.session_id));
+        node.setAttribute("aria-checked", String(current));
+      }
+    }
+
+    button.onclick = () => (menu.hidden ? open() : close());
+    menu.addEventListener("keydown", (e) => {
+      const items = [...menu.querySelectorAll(".keel-item")];
+      const at = items.indexOf(document.activeElement);
+      const to = { ArrowDown: at + 1, ArrowUp: at - 1, Home: 0, End: items.length - 1 }[e.key];
+      if (to !== undefined) {
+        e.preventDefault();
+        items[(to + items.length) % items.length].focus();
+      } else if (e.key === "Escape") {
+        e.preventDefault();
+        close();
+        button.focus();
+      } else if (e.key === "Tab") {
+        close();
+      }
+    });
+    menu.addEventListener("focusout", (e) => {
+      if (!menu.contains(e.relatedTarget) && e.relatedTarget !== button) close();
+    });
+    return button;
+  }
+
   function mount(root, options) {
     const opts = Object.assign(
-      { url: location.origin, title: "Assistant", context: null, question: null, onEvent: null },
+      {
+        url: location.origin,
+        title: "Assistant",
+        context: null,
+        question: null,
+        onEvent: null,
+        conversations: false,
+        onSwitch: null,
+      },
       options,
     );
     if (!opts.session) throw new Error("Keel.mount needs options.session");
@@ -101,9 +247,9 @@
       document.head.appendChild(style);
     }
     const panel = el("div", "keel-panel");
-    const head = el("div", "keel-head", opts.title);
+    const head = el("div", "keel-head");
     const status = el("span", "keel-status", "connecting");
-    head.appendChild(status);
+    head.append(el("span", "keel-title", opts.title), status);
     const log = el("div", "keel-log");
     const form = el("form", "keel-form");
     const input = el("input", "keel-input");
@@ -115,17 +261,68 @@
     panel.append(head, log, form);
     root.replaceChildren(panel);
 
+    // what is shown is of one session; switching to another starts these afresh
+    let session = null;
     const seen = new Set(); // event ids shown
-    const unacked = new Map(); // message_id -> frame, until its message.received arrives
     const nodes = new Map(); // item/call/request id -> element
     const completed = new Set(); // items whose message.completed came (their deltas are late)
     const partial = new Set(); // items shown from deltas only: gone if their turn ends without them
+    const unsent = new Map(); // session -> its unacked, kept while another session is shown
+    let unacked = null; // message_id -> frame, until its message.received arrives
     let lastId = null;
     let socket = null;
     let retry = 500;
+    let again = null; // the reconnect timer
     let closed = false;
     let watchdog = null;
     let thinking = null;
+
+    function show(sid) {
+      clearTimeout(again);
+      clearTimeout(watchdog);
+      const old = socket;
+      socket = null; // (its close is no reason to reconnect)
+      if (old) old.close(1000);
+      if (unacked && !unacked.size) unsent.delete(session);
+      session = sid;
+      if (!unsent.has(sid)) unsent.set(sid, new Map());
+      unacked = unsent.get(sid);
+      seen.clear();
+      nodes.clear();
+      completed.clear();
+      partial.clear();
+      lastId = null;
+      retry = 500;
+      thinking = null;
+      log.replaceChildren();
+      connect();
+    }
+
+    function switchTo(sid) {
+      show(sid);
+      input.focus();
+      if (!opts.onSwitch) return;
+      try {
+        opts.onSwitch(sid);
+      } catch (err) {
+        console.error("Keel.mount onSwitch:", err);
+      }
+    }
+
+    if (opts.conversations) {
+      const source = opts.conversations === true ? keelConversations(opts.url) : opts.conversations;
+      const fresh = async (untitled) => {
+        if (untitled) return input.focus(); // nothing was said here: this is a new conversation
+        try {
+          switchTo(await source.create());
+        } catch (err) {
+          console.warn("Keel.mount conversations.create:", err);
+          add(el("div", "keel-error", "could not start a new conversation"));
+        }
+      };
+      const choose = (sid) => (sid === session ? input.focus() : switchTo(sid));
+      head.prepend(conversationsMenu(panel, head, source, () => session, choose, fresh));
+    }
 
     function add(node, eventId) {
       if (eventId) node.dataset.eventId = eventId;
@@ -143,32 +340,38 @@
       if (socket && socket.readyState === WebSocket.OPEN) socket.send(JSON.stringify(frame));
     }
 
-    async function token() {
-      if (typeof opts.token === "function") return await opts.token();
+    async function token(sid) {
+      if (typeof opts.token === "function") return await opts.token(sid);
       return opts.token || null;
     }
 
     async function connect() {
       if (closed) return;
+      const sid = session;
       setStatus("connecting");
-      let url = opts.url.replace(/^http/, "ws").replace(/\/$/, "") + "/v1/sessions/" + opts.session + "/ws";
+      let url = opts.url.replace(/^http/, "ws").replace(/\/$/, "") + "/v1/sessions/" + sid + "/ws";
       const params = new URLSearchParams();
       if (lastId) params.set("after", lastId);
       try {
-        const t = await token();
+        const t = await token(sid);
         if (t) params.set("token", t);
       } catch (err) {
-        return later("could not get a token");
+        if (sid === session) later("could not get a token");
+        return;
       }
+      if (closed || sid !== session) return; // another session is shown now
       if ([...params].length) url += "?" + params;
-      socket = new WebSocket(url);
-      socket.onopen = () => {
+      const ws = new WebSocket(url);
+      socket = ws;
+      ws.onopen = () => {
+        if (ws !== socket) return;
         retry = 500;
         setStatus("connected");
         for (const frame of unacked.values()) transmit(frame); // same message_id: one message
         pet();
       };
-      socket.onmessage = (msg) => {
+      ws.onmessage = (msg) => {
+        if (ws !== socket) return; // a frame of the session shown before
         pet();
         let frame;
         try {
@@ -188,7 +391,8 @@
           add(el("div", "keel-error", frame.error.message));
         }
       };
-      socket.onclose = (ev) => {
+      ws.onclose = (ev) => {
+        if (ws !== socket) return;
         clearTimeout(watchdog);
         if (closed) return;
         if (ev.code === 4404) return setStatus("session not found");
@@ -209,7 +413,7 @@
 
     function later(why) {
       setStatus(why);
-      setTimeout(connect, retry);
+      again = setTimeout(connect, retry);
       retry = Math.min(retry * 2, 8000);
     }
 
@@ -380,10 +584,11 @@
       transmit(frame);
     });
 
-    connect();
+    show(opts.session);
     return {
       close() {
         closed = true;
+        clearTimeout(again);
         clearTimeout(watchdog);
         if (socket) socket.close(1000);
       },
