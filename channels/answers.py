@@ -39,6 +39,9 @@ class NewSession(msgspec.Struct):
 class MessageAccepted(msgspec.Struct):
     session_id: str
     message_id: str
+    # queued (waits its turn, or starts one), steered (joined the running turn), interrupting
+    # (the turn in progress is being cancelled; this message runs next)
+    handled: str = "queued"
 
 
 class ResponseAccepted(msgspec.Struct):

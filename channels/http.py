@@ -140,13 +140,14 @@ async def create_session(request: Request) -> Response:
 
 @operation(
     "Send a message",
-    Returns(202, MessageAccepted, "Queued (without `wait`)"),
+    Returns(202, MessageAccepted, "Accepted (without `wait`): `handled` says how"),
     Returns(200, SettledTurn, "With `?wait=true`: the turn settled, or `pending` past the timeout"),
     body=SendMessage,
     errors={
         **NOT_FOUND,
         **QUEUED,
         400: "`invalid_request`, `invalid_json`, `invalid_message_id`, `invalid_query`",
+        409: "`busy`: `policy: reject`, and a turn runs or waits (nothing written)",
     },
     params=(
         Param("wait", {"type": "boolean"}, "Answer when the turn settles (200) instead of at once (202)"),
@@ -174,11 +175,19 @@ async def send_message(request: Request) -> Response:
     await harness.quotas.admit(owner_of(request))
     if wait:
         turn = await harness.sessions.submit_and_wait(
-            sid, owner_of(request), body.text, context=body.context, message_id=body.message_id, timeout=timeout
+            sid,
+            owner_of(request),
+            body.text,
+            context=body.context,
+            message_id=body.message_id,
+            timeout=timeout,
+            policy=body.policy,
         )
         return json_response(settled(turn), 200)
-    result = await harness.sessions.submit(sid, owner_of(request), body.text, body.context, body.message_id)
-    return json_response(MessageAccepted(sid, result.message_id), 202)
+    result = await harness.sessions.submit(
+        sid, owner_of(request), body.text, body.context, body.message_id, policy=body.policy
+    )
+    return json_response(MessageAccepted(sid, result.message_id, result.handled), 202)
 
 
 @operation(

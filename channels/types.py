@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -23,10 +23,14 @@ class UpdateSession(msgspec.Struct, forbid_unknown_fields=True):
     metadata: dict[str, Any] | msgspec.UnsetType = msgspec.UNSET  # keys merged; a null value removes its key
 
 
+Policy = Literal["queue", "steer", "interrupt", "reject"]  # a message sent while a turn runs or waits
+
+
 class SendMessage(msgspec.Struct, forbid_unknown_fields=True):
     text: Text
     context: ContextValue = None
     message_id: str | None = None
+    policy: Policy = "queue"
 
 
 class Respond(msgspec.Struct, forbid_unknown_fields=True):
@@ -50,6 +54,7 @@ class WsMessage(msgspec.Struct, tag="message", tag_field="type", forbid_unknown_
     text: Text
     context: ContextValue = None
     message_id: str | None = None
+    policy: Policy = "queue"
     ref: str | None = None
 
 

@@ -272,10 +272,10 @@ class Connection:
     async def _do(self, frame: WsFrame) -> None:
         sessions, quotas, sid, owner = self.harness.sessions, self.harness.quotas, self.sid, self.owner
         match frame:
-            case WsMessage(text=text, context=context, message_id=message_id):
+            case WsMessage(text=text, context=context, message_id=message_id, policy=policy):
                 await sessions.admissible(sid, owner, message_id)  # (bad input spends no token)
                 await quotas.admit(owner)
-                await sessions.submit(sid, owner, text, context, message_id)
+                await sessions.submit(sid, owner, text, context, message_id, policy=policy)
             case WsRespond(request_id=rid, decision=decision, reason=reason):
                 await sessions.respond(sid, owner, rid, decision, reason)
             case WsCancel(turn_id=turn_id):

@@ -75,6 +75,15 @@ class MessageReceivedData(Data, frozen=True):
     text: str
 
 
+class MessageSteeredData(Data, frozen=True):
+    """A message sent with `policy: "steer"` while a turn ran: it joins that turn (the
+    envelope's `turn_id`) before its next model call, or, if the turn ends first, runs as the
+    next turn (a `message.received` of its own then)."""
+
+    message_id: str
+    text: str
+
+
 class TurnStartedData(Data, frozen=True):
     message_id: str
 
@@ -204,6 +213,10 @@ class MessageReceived(Committed, frozen=True, tag="message.received"):
     data: MessageReceivedData
 
 
+class MessageSteered(Committed, frozen=True, tag="message.steered"):
+    data: MessageSteeredData
+
+
 class TurnStarted(Committed, frozen=True, tag="turn.started"):
     data: TurnStartedData
 
@@ -287,6 +300,7 @@ class SessionDeleted(Transient, frozen=True, tag="session.deleted"):
 Event = (
     SessionCreated
     | MessageReceived
+    | MessageSteered
     | TurnStarted
     | MessageCompleted
     | ToolStarted

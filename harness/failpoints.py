@@ -10,7 +10,8 @@ outbox.after_publish (the first event of a commit written to a client), response
 committed), compaction.before_commit (a summary returned, the compacted history not committed),
 model.mid_stream (a model call's first text delta went out, the rest of the stream not read),
 relay.before_send (the delivery relay marked a post in doubt, not made yet), relay.after_send
-(the relay made a post, its cursor not moved)."""
+(the relay made a post, its cursor not moved), steer.after_join (a steered message joined the
+running turn, committed, the model call that follows not made)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ NAMES = frozenset(
         "model.mid_stream",
         "relay.before_send",
         "relay.after_send",
+        "steer.after_join",
     }
 )
 

@@ -21,6 +21,9 @@ ItemKind = Literal["message", "tool_result", "context", "sticky", "runtime", "su
 # What an inbox entry asks for: a user message's turn, or a manual compaction or clear.
 EntryKind = Literal["message", "compact", "clear"]
 SessionStatus = Literal["idle", "running", "waiting"]
+# What a message sent while a turn runs or waits does: wait its turn, join the running turn,
+# end it and run next, or be refused.
+MessagePolicy = Literal["queue", "steer", "interrupt", "reject"]
 
 
 class ToolCall(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -138,6 +141,9 @@ class SubmitResult(msgspec.Struct, frozen=True):
     received_id: str
     duplicate: bool
     received_seq: int = 0  # the seq of its message.received (0 for a duplicate)
+    # what became of it: it waits its turn (or starts one), joined the running turn (`turn_id`,
+    # `received_id` its message.steered), or runs next while the turn in progress is cancelled
+    handled: Literal["queued", "steered", "interrupting"] = "queued"
 
 
 class TurnOutcome(msgspec.Struct, frozen=True):

@@ -74,7 +74,8 @@ async def blocking(request: ModelRequest) -> ModelReply:
     "slow " never returns (logged first, as {"blocked": turn id}): the turn is running in this
     process for as long as the test likes. A process without it answers at once. "think N"
     takes N seconds to answer; "hold N" calls the slow tool."""
-    log({"model": request.step, "turn": request.turn_id, "pid": os.getpid()})
+    users = [i.text for i in request.messages if i.role == "user" and i.kind == "message"]
+    log({"model": request.step, "turn": request.turn_id, "pid": os.getpid(), "users": users})
     last = request.messages[-1]
     if os.environ.get("KEEL_TEST_BLOCK") and last.role == "user" and last.text.startswith("slow "):
         log({"blocked": request.turn_id, "pid": os.getpid()})

@@ -153,6 +153,7 @@ async def perform(harness: Harness, destination: str, call: Submit | Decide | Ca
             author=call.author,
             create=dict(call.create) if call.create is not None else None,
             deliver_to=destination,
+            policy="steer",  # (a follow-up in a thread while a turn runs joins that turn)
         )
     elif isinstance(call, Decide):
         request_id = call.request_id

@@ -45,6 +45,7 @@ from harness.store import (
     Commit,
     CommitMode,
     Ended,
+    Stepped,
     Store,
     UsageRecord,
     Withheld,
@@ -337,6 +338,9 @@ class Turn:
             self.turn_items.append(result)
             if _cancelled(committed):
                 return EndCancelled()
+            if isinstance(committed, Stepped) and committed.steered:  # (messages steered in: the model sees them next)
+                self.turn_items.extend(committed.steered)
+                failpoints.reached("steer.after_join")
             self.attempt_counted = model_next
         self._reread = bool(self.agent.runtime)
         return None

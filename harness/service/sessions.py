@@ -44,6 +44,7 @@ from harness.types import (
     EntryKind,
     InboxMessage,
     Item,
+    MessagePolicy,
     PageContext,
     SessionInfo,
     SessionPage,
@@ -60,6 +61,7 @@ METADATA_KEY_CHARS = 128  # ... each of 1 to this many characters ...
 METADATA_BYTES_MAX = 16_384  # ... and this many bytes as JSON
 TITLE_CHARS_MAX = 200
 FILTERS_MAX = 8  # metadata filters of one listing
+POLICIES = ("queue", "steer", "interrupt", "reject")
 _enc = msgspec.json.Encoder()
 
 
@@ -134,8 +136,15 @@ class Sessions:
         author: str = "",
         create: dict[str, Any] | None = None,
         deliver_to: str | None = None,
+        policy: MessagePolicy = "queue",
     ) -> SubmitResult:
         """Queue a user message; one turn per distinct message_id. Returns once it is durable.
+        `policy`, for a message sent while a turn runs or waits: `queue` it behind the turn,
+        `steer` it into the running turn (it joins before the turn's next model call; a turn
+        that waits for answers is not steered: the message queues), `interrupt` the turn (it
+        ends as a cancel ends it, and the message runs next), or `reject` it (Conflict `busy`,
+        nothing written). A message that arrives when nothing runs starts a turn whatever its
+        policy.
         A webhook channel names the `author`, may have the session made on its first message
         (`create`: its metadata) and has the delivery relay told (`deliver_to`: its
         destination), all in the same round trip."""
@@ -144,6 +153,8 @@ class Sessions:
             message_id = new_id("msg")
         else:
             check_message_id(message_id)
+        if policy not in POLICIES:
+            raise InvalidInput("policy is queue, steer, interrupt or reject", code="invalid_policy")
         turn_only, sticky = split_context(context)
         message = InboxMessage(
             message_id=message_id, turn_id=new_id("turn"), text=text, context=turn_only, sticky=sticky, author=author
@@ -154,10 +165,14 @@ class Sessions:
         runner = self.runner
         if runner is not None and await runner.reserve(sid):
             # Shielded: a caller cancelled after SUBMIT began the turn must not strand its lease.
-            reserved = self._submit_reserved(runner, sid, owner, message, create=create, deliver_to=deliver_to)
+            reserved = self._submit_reserved(
+                runner, sid, owner, message, create=create, deliver_to=deliver_to, policy=policy
+            )
             submitted = await asyncio.shield(reserved)
         else:
-            submitted = await self.store.submit(sid, owner, message, create=create, deliver_to=deliver_to)
+            submitted = await self.store.submit(
+                sid, owner, message, create=create, deliver_to=deliver_to, policy=policy
+            )
             if runner is not None:
                 runner.kick(sid, submitted.job)
         return SubmitResult(
@@ -167,6 +182,7 @@ class Sessions:
             received_id=submitted.received_id,
             duplicate=submitted.duplicate,
             received_seq=submitted.received.seq if submitted.received is not None else 0,
+            handled="steered" if submitted.steered else "interrupting" if submitted.interrupted else "queued",
         )
 
     async def _submit_reserved(
@@ -178,12 +194,19 @@ class Sessions:
         *,
         create: dict[str, Any] | None,
         deliver_to: str | None,
+        policy: MessagePolicy,
     ) -> Submitted:
         """SUBMIT that may begin the turn, then the runner runs what it began (or drains as
         usual); the reservation is given back whatever happens."""
         try:
             submitted = await self.store.submit(
-                sid, owner, message, begin_lease_ms=runner.lease_ms, create=create, deliver_to=deliver_to
+                sid,
+                owner,
+                message,
+                begin_lease_ms=runner.lease_ms,
+                create=create,
+                deliver_to=deliver_to,
+                policy=policy,
             )
         except BaseException:
             runner.adopt(sid, None, None)
@@ -470,19 +493,44 @@ class Sessions:
         return _result(result, outcome)
 
     async def submit_and_wait(
-        self, sid: str, owner: str, text: str, *, context: PageContext, message_id: str | None, timeout: float
+        self,
+        sid: str,
+        owner: str,
+        text: str,
+        *,
+        context: PageContext,
+        message_id: str | None,
+        timeout: float,
+        policy: MessagePolicy = "queue",
     ) -> TurnResult:
         """`submit`, then `wait_turn`, with the wake-up armed before the message exists: a new
-        message's events are then read once, when its turn has moved on."""
+        message's events are then read once, when its turn has moved on. A steered message's
+        turn is the one it joined; if that turn ended before taking it, the wait goes on with
+        the message's own turn."""
         check_session_id(sid)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
         async with self.store.hub.watch(sid, settled_only=True) as watch:
-            result = await self.submit(sid, owner, text, context, message_id)
+            result = await self.submit(sid, owner, text, context, message_id, policy=policy)
             if not result.duplicate:  # its events, from message.received on, may come published
                 watch.last_seq = result.received_seq - 1
             after = streamids.before(result.received_id)
             outcome = await collect_turn(
                 self.store.outbox, sid, result.turn_id, watch, after=after, timeout=timeout, read_first=result.duplicate
             )
+            steered = result.handled == "steered" and outcome.status != "pending"
+            own = await self.store.received(sid, result.message_id) if steered else None
+            if own is not None and own[0] != result.turn_id:  # (steered, and run as a turn of its own)
+                result = msgspec.structs.replace(result, turn_id=own[0], received_id=own[1])
+                outcome = await collect_turn(
+                    self.store.outbox,
+                    sid,
+                    own[0],
+                    watch,
+                    after=streamids.before(own[1]),
+                    timeout=max(deadline - loop.time(), 0.001),
+                    read_first=True,
+                )
         return _result(result, outcome)
 
     async def respond_and_wait(

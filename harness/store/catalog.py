@@ -33,6 +33,7 @@ from harness.types import SESSIONS_PAGE_MAX, ListedSession, SessionPage, Session
 
 PAGE_MAX = SESSIONS_PAGE_MAX
 LOOKED_MAX = 1000  # entries a page looks through (filters may refuse them all: then a short page)
+FILTERED_BATCH = 50  # a filtered page's first read (each next one twice as many)
 TITLE_CHARS = 80  # a session's title until one is set: the start of its first message
 PREVIEW_CHARS = 120  # an item's preview: the start of the session's last message
 # the session's TTL, and this much more, past its latest activity: surely gone (it expires at
@@ -102,8 +103,14 @@ class Catalog:
             raised(await self.wire.call([("ZREMRANGEBYSCORE", key, "-inf", f"({cutoff}")]))
         items: list[ListedSession] = []
         looked, last = 0, cursor
+        filtered = status is not None or bool(metadata)
+        size = max(limit, FILTERED_BATCH) if filtered else limit
         while looked < LOOKED_MAX:
-            batch = await self._below(key, last, min(max(limit - len(items), 1) * 2, LOOKED_MAX - looked))
+            # unfiltered, a page reads what it lacks (more only if some were gone); filtered, in
+            # batches that double, since most entries may be refused
+            want = size if filtered else limit - len(items)
+            batch = await self._below(key, last, min(want, LOOKED_MAX - looked))
+            size *= 2
             if not batch:
                 return SessionPage(items, None)
             looked += len(batch)

@@ -73,6 +73,7 @@ class SessionKeys:
         "pending",
         "relays",
         "sid",
+        "steer",
         "sticky",
     )
 
@@ -83,6 +84,7 @@ class SessionKeys:
         self.history = base + "history"  # list of encoded Items (durable, append-only)
         self.sticky = base + "sticky"  # hash: context key -> text (keyed page context)
         self.inbox = base + "inbox"  # list of encoded InboxMessages, oldest first
+        self.steer = base + "steer"  # list of encoded InboxMessages steered into the running turn
         self.mids = base + "mids"  # hash: message_id -> "turn_id received_id" (idempotency)
         self.outbox = base + "outbox"  # stream of events
         self.lease = base + "lease"  # string: fencing token of the runner that owns the session

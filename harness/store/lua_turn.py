@@ -128,17 +128,45 @@ if prev then
   local turn_id, received_id = string.match(prev, '^(.*) (%S+)$')
   return reply({tag = 'dup', turn_id = turn_id, received_id = received_id})
 end
+-- the message's policy, if a turn runs or waits (the inbox's head: the turn in progress, or next)
+local head = redis.call('LINDEX', K.inbox, 0)
+local h = head and A.policy ~= 'queue' and cjson.decode(head) or nil
+if h and A.policy == 'reject' then return reply({tag = 'rejected'}) end
 -- (the inbox's head is the turn in progress: `max_queued` may wait behind it)
 if A.max_queued > 0 and redis.call('LLEN', K.inbox) > A.max_queued then return reply({tag = 'full'}) end
-local id = emit(A.retention, EV.MessageReceived, A.body)
-local out = {tag = 'new', id = id, seq = last_seq, created = created}
 -- the list's view of the session: its latest activity, the start of its last message, and its
 -- title until one is set (the start of its first message)
 redis.call('HSET', K.meta, 'updated_at', A.at, 'preview', A.preview)
 redis.call('HSETNX', K.meta, 'title', A.title)
-redis.call('HSET', K.mids, A.message_id, A.turn_id .. ' ' .. id)
-if redis.call('HLEN', K.mids) == 1 then expire_with_meta(K.mids) end
-local queued = redis.call('RPUSH', K.inbox, A.entry)
+local function known_as(turn_id, id)  -- the message id's turn and event, once and for all
+  redis.call('HSET', K.mids, A.message_id, turn_id .. ' ' .. id)
+  if redis.call('HLEN', K.mids) == 1 then expire_with_meta(K.mids) end
+end
+local message_turn = h and (h.kind or 'message') == 'message' and h.turn_id == redis.call('HGET', K.meta, 'turn')
+if h and A.policy == 'steer' and message_turn and redis.call('HGET', K.meta, 'status') == 'running' then
+  -- joins the running turn: its next commit before a model call takes it (COMMIT)
+  local steered = body(h.turn_id, A.at, A.steered)
+  local id = emit(A.retention, EV.MessageSteered, steered)
+  known_as(h.turn_id, id)
+  if redis.call('RPUSH', K.steer, A.entry) == 1 then expire_with_meta(K.steer) end
+  keep(A.ttl_ms)
+  return reply({tag = 'new', id = id, seq = last_seq, steered = h.turn_id, body = steered})
+end
+local id = emit(A.retention, EV.MessageReceived, A.body)
+local out = {tag = 'new', id = id, seq = last_seq, created = created}
+known_as(A.turn_id, id)
+local queued
+if h and A.policy == 'interrupt' then
+  -- the turn in progress ends as a cancel ends it (a compact or clear is not cancelled), and
+  -- this message runs next, right behind it
+  if (h.kind or 'message') == 'message' then
+    redis.call('HSET', K.meta, 'cancel', h.turn_id)
+    out.interrupted = h.turn_id
+  end
+  queued = redis.call('LINSERT', K.inbox, 'AFTER', head, A.entry)
+else
+  queued = redis.call('RPUSH', K.inbox, A.entry)
+end
 if queued == 1 then expire_with_meta(K.inbox) end
 if queued == 1 and A.begin and redis.call('EXISTS', K.lease) == 0 then
   out.began = begin_turn(A.begin)
@@ -206,7 +234,21 @@ if not cancel then
   for _, e in ipairs(A.announce) do ids[#ids + 1] = emit(A.retention, e.type, e.body) end
 end
 if A.attempt and not cancel then redis.call('HINCRBY', K.meta, 'u_calls', 1) end
-local out = {tag = 'ok', ids = ids, length = length, cancel = cancel, first_seq = first_seq, resolved = resolved}
+-- messages steered into the turn join it now, before the model call this commit precedes: as
+-- user items of the turn, after what it appended (the take and the items are one write)
+local steered = {}
+if A.attempt and not cancel and A.mode == 'step' then
+  for _, entry in ipairs(redis.call('LRANGE', K.steer, 0, -1)) do
+    local m = cjson.decode(entry)
+    steered[#steered + 1] = '{"id":' .. cjson.encode('it_' .. A.turn_id .. '_s_' .. m.turn_id) ..
+      ',"role":"user","text":' .. cjson.encode(m.text) .. ',"turn_id":' .. cjson.encode(A.turn_id) ..
+      ',"message_id":' .. cjson.encode(m.message_id) .. '}'
+    length = redis.call('RPUSH', K.history, steered[#steered])
+  end
+  if #steered > 0 then redis.call('DEL', K.steer) end
+end
+local out = {tag = 'ok', ids = ids, length = length, cancel = cancel, first_seq = first_seq, resolved = resolved,
+  steered = steered}
 if A.mode == 'pause' then
   redis.call('HSET', K.meta, 'waiting_on', table.concat(A.waiting_on, ' '), 'undecided', #A.waiting_on)
   if not cancel then
@@ -216,6 +258,20 @@ if A.mode == 'pause' then
   end
 elseif A.mode == 'final' then
   redis.call('LPOP', K.inbox)
+  -- messages steered into the turn that no model call took run next, in the order they came,
+  -- each a turn of its own now (its message.received written last, after the commit's events)
+  local waiting = redis.call('LRANGE', K.steer, 0, -1)
+  out.received = {}
+  for j = #waiting, 1, -1 do
+    local m = cjson.decode(waiting[j])
+    local data = '{"message_id":' .. cjson.encode(m.message_id) .. ',"text":' .. cjson.encode(m.text) .. '}'
+    local received = body(m.turn_id, A.at, data)
+    local rid = emit(A.retention, EV.MessageReceived, received)
+    redis.call('HSET', K.mids, m.message_id, m.turn_id .. ' ' .. rid)
+    redis.call('LPUSH', K.inbox, waiting[j])
+    table.insert(out.received, 1, {id = rid, seq = last_seq, body = received})
+  end
+  if #waiting > 0 then redis.call('DEL', K.steer) end
   local left = redis.call('LLEN', K.inbox)
   redis.call('HSET', K.meta, 'turn', '', 'status', left > 0 and 'running' or 'idle', 'waiting_on', '', 'undecided', 0,
     'held', 0)

@@ -26,6 +26,7 @@ from harness import events
 from harness.store import lua, lua_turn
 from harness.store.keys import DeliveryKeys, QuotaKeys, RelayKeys, SessionKeys
 from harness.store.types import CommitMode
+from harness.types import MessagePolicy
 
 R_co = TypeVar("R_co", covariant=True)
 _pack = msgspec.msgpack.Encoder().encode
@@ -163,13 +164,22 @@ class SubmitArgs(msgspec.Struct, frozen=True):
     at: str = ""  # now: the session's updated_at
     preview: str = ""  # the start of the message (the session's preview)
     title: str = ""  # the session's title, if it has none yet (the start of the message)
+    policy: MessagePolicy = "queue"  # what to do if a turn runs or waits
+    steered: str = ""  # with "steer": the message.steered event's data (JSON)
 
 
 class New(Reply, tag="new"):
-    id: str
+    id: str  # its message.received (message.steered when it joined the running turn)
     seq: int
     began: BeginReply | None = None
     created: str | None = None  # the session.created id, when this message created its session
+    steered: str | None = None  # the running turn it joined ("steer") ...
+    body: str = ""  # ... and its message.steered's body
+    interrupted: str | None = None  # the turn it asked to end ("interrupt")
+
+
+class Rejected(Reply, tag="rejected"):
+    """`reject`, and a turn runs or waits: nothing was written."""
 
 
 class Full(Reply, tag="full"):
@@ -235,12 +245,22 @@ class CommitArgs(msgspec.Struct, frozen=True):
     preview: str = ""  # with 'final' or 'pause': the start of the turn's reply ("": leave the preview)
 
 
+class Converted(msgspec.Struct, frozen=True):
+    """A steered message's message.received, written when the turn ended before taking it."""
+
+    id: str
+    seq: int
+    body: str
+
+
 class CommitWritten(Reply):
     ids: list[str]  # the events written, in order
     length: int  # the history list's length after the commit
     first_seq: int  # the seq of the first of them
     resolved: list[int]  # which of the given answers were set (and emitted)
     cancel: bool = False  # a cancel was asked for this turn
+    steered: list[str] = []  # steered messages that joined the turn: their user items (encoded), appended last
+    received: list[Converted] = []  # final: steered messages no model call took, now the next turns
 
 
 class StepDone(CommitWritten, tag="ok"):
@@ -389,11 +409,13 @@ class Deleted(Reply, tag="ok"):
 
 _SESSION = ("meta", "inbox", "lease", "history", "sticky", "outbox", "decisions")
 # Every key of a session (`keep` in a script that names them all gives them one expiry).
-_ALL = (*_SESSION, "pending", "mids", "relays")
+_ALL = (*_SESSION, "pending", "mids", "relays", "steer")
 CREATE: Script[Added | Exists] = Script(lua.CREATE, ("meta", "outbox"), Added | Exists)
 ENQUEUE: Script[Done | Full | Missing] = Script(lua.ENQUEUE, ("meta", "inbox"), Done | Full | Missing)
 BEGIN: Script[BeginReply] = Script(lua_turn.BEGIN, _SESSION, BeginReply)
-SUBMIT: Script[New | Duplicate | Full | Missing] = Script(lua_turn.SUBMIT, _ALL, New | Duplicate | Full | Missing)
+SUBMIT: Script[New | Duplicate | Full | Rejected | Missing] = Script(
+    lua_turn.SUBMIT, _ALL, New | Duplicate | Full | Rejected | Missing
+)
 COMMIT: Script[CommitReply] = Script(lua_turn.COMMIT, _ALL, CommitReply)
 USAGE: Script[Added | Stale] = Script(lua_turn.USAGE, ("meta", "outbox"), Added | Stale)
 ATTEMPT: Script[Count] = Script(lua_turn.ATTEMPT, ("meta",), Count)

@@ -34,6 +34,8 @@ from harness.events import (
     InputResolvedData,
     MessageReceived,
     MessageReceivedData,
+    MessageSteered,
+    MessageSteeredData,
     Pending,
     SessionCreated,
     SessionCreatedData,
@@ -85,6 +87,7 @@ from harness.types import (
     ApprovalRequest,
     InboxMessage,
     Item,
+    MessagePolicy,
     Usage,
     answer_decoder,
     inbox_decoder,
@@ -384,6 +387,7 @@ class Store:
         begin_lease_ms: int | None = None,
         create: dict[str, Any] | None = None,
         deliver_to: str | None = None,
+        policy: MessagePolicy = "queue",
     ) -> Submitted:
         """Record a message with its message.received event and, in the same round trip, its
         session's job; a repeated message_id returns the first one's ids (and queues the job
@@ -420,7 +424,14 @@ class Store:
             at=repr(now),
             preview=message.text[: catalog.PREVIEW_CHARS],
             title=message.text[: catalog.TITLE_CHARS],
+            policy=policy,
+            # (the message.steered event's data, should it join the running turn)
+            steered=_enc.encode(MessageSteeredData(message.message_id, message.text)).decode()
+            if policy == "steer"
+            else "",
         )
+        if policy == "reject" and await self.redis.llen(SessionKeys(sid).inbox):
+            raise self._busy(sid)  # (nothing written, the job neither; SUBMIT checks again)
         destinations = [deliver_to] if deliver_to else await self.hooks.targets(owner)
         look = deliver_to is None and create is None
         res, job = await self._with_job(p.SUBMIT, sid, owner, args, destinations, look_first=look, touch=now)
@@ -428,7 +439,15 @@ class Store:
             return Submitted(True, res.turn_id, res.received_id, job)
         if isinstance(res, p.Full):
             raise self._full()
+        if isinstance(res, p.Rejected):
+            raise self._busy(sid)
         assert isinstance(res, p.New)
+        if res.steered is not None:
+            steered = made(sid, res.id, res.seq, MessageSteered.TYPE, res.body.encode())
+            self._published(sid, [steered])
+            return Submitted(False, res.steered, steered.id, job, steered, steered=True)
+        if res.interrupted is not None:
+            self.hub.cancel(sid, res.interrupted)  # (its model call, wherever it streams, stops now)
         event = made(sid, res.id, res.seq, MessageReceived.TYPE, received)
         made_session = made(sid, res.created, res.seq - 1, SessionCreated.TYPE, created) if res.created else None
         publish = [made_session, event] if made_session is not None else [event]
@@ -438,7 +457,7 @@ class Store:
             began = outcome if isinstance(outcome, Begun) else None
             publish += [started] if started is not None else []
         self._published(sid, publish)
-        return Submitted(False, message.turn_id, event.id, job, event, began, made_session)
+        return Submitted(False, message.turn_id, event.id, job, event, began, made_session, interrupted=res.interrupted)
 
     @translated
     async def enqueue(self, sid: str, owner: str, entry: InboxMessage) -> JobId:
@@ -449,6 +468,10 @@ class Store:
         if isinstance(res, p.Full):
             raise self._full()
         return job
+
+    @staticmethod
+    def _busy(sid: str) -> Conflict:
+        return Conflict(f"session {sid} is busy: a turn runs or waits (the message's policy is reject)", code="busy")
 
     def _full(self) -> Limited:
         """The session's queue is full (nothing was written; the job that came along is harmless)."""
@@ -740,12 +763,15 @@ class Store:
             return Withheld(dropped)
         if announce and not res.cancel:
             events = [*events, *announce]
+        steered = [item_decoder.decode(raw) for raw in getattr(res, "steered", ())]
         if rebase is None:
-            self._cache.extend(sid, list(items), res.length)
+            self._cache.extend(sid, [*items, *steered], res.length)
         else:
             _, _, epoch = self._cached(sid)
             self._cache.put(sid, res.length - len(items), list(items), epoch)
         emitted = written(sid, res.ids, res.first_seq, [*recorded, *(resolved[n] for n in res.resolved), *events])
+        # (steered messages the turn ended before taking: the next turns, their message.received last)
+        emitted += [made(sid, r.id, r.seq, MessageReceived.TYPE, r.body.encode()) for r in res.received]
         self._published(sid, emitted, settled=mode != "step")
         match res:
             case p.EndedMore() | p.EndedIdle():
@@ -754,7 +780,7 @@ class Store:
                 return AwaitingAnswers(emitted)
             case _ if res.cancel:
                 return CancelPending(emitted)
-        return Stepped(emitted)
+        return Stepped(emitted, steered)
 
     @translated
     async def record_usage(

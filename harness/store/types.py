@@ -44,6 +44,8 @@ class Submitted(msgspec.Struct, frozen=True):
     received: StoredEvent | None = None  # its message.received, when new
     began: Begun | None = None  # the turn SUBMIT began, if it did
     created: StoredEvent | None = None  # its session's session.created, when this message made it
+    steered: bool = False  # it joined the running turn (`turn_id`; `received`: its message.steered)
+    interrupted: str | None = None  # the turn it asked to end (policy "interrupt")
 
 
 class Recorded(msgspec.Struct, frozen=True):
@@ -127,6 +129,7 @@ class Stepped(msgspec.Struct, frozen=True):
     """The step is committed: the turn goes on."""
 
     events: list[StoredEvent]  # what the commit wrote to the outbox, in order
+    steered: list[Item] = []  # messages steered into the turn that joined it with this commit
 
 
 class CancelPending(msgspec.Struct, frozen=True):

@@ -43,7 +43,7 @@ async def test_a_whole_conversation(serve: Any) -> None:
         r = await c.post(f"/v1/sessions/{sid}/messages?wait=true", json={"text": "shout hey", "context": ["CTX-2"]})
         assert r.json()["reply"] == "HEY ctx=['CTX-2']"
         r = await c.post(f"/v1/sessions/{sid}/messages", json={"text": "third", "message_id": "client-3"})
-        assert r.status_code == 202 and r.json() == {"session_id": sid, "message_id": "client-3"}
+        assert r.status_code == 202 and r.json() == {"session_id": sid, "message_id": "client-3", "handled": "queued"}
         r = await c.post(f"/v1/sessions/{sid}/messages?wait=true", json={"text": "third", "message_id": "client-3"})
         assert r.json()["reply"] == "third ctx=[]"
         info = (await c.get(f"/v1/sessions/{sid}")).json()
