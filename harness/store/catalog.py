@@ -144,9 +144,10 @@ class Catalog:
             if cursor is None:
                 return entries
             kept = [e for e in entries if e[0] < cursor[0] or e[1] < cursor[1]]
-            if kept or len(entries) < count + ties:
+            skipped = len(entries) - len(kept)  # (the first ones: of the cursor's ms, at or above it)
+            if len(kept) >= count or len(entries) < count + ties or skipped <= ties:
                 return kept[:count]
-            ties += count  # (all of one ms at or above the cursor: read further)
+            ties = skipped  # (read again, that many further)
 
     async def _read(self, owner: str, key: str, sids: Sequence[str]) -> list[ListedSession | None]:
         """Each session as listed, from its meta; None for one that is no more (or not the
