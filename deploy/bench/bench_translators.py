@@ -21,7 +21,7 @@ from harness.events import MessageDelta, MessageDeltaData
 
 
 def per_delta_us(make: type[UiStream] | type[AguiRun], deltas: list[MessageDelta]) -> float:
-    translator = make("turn_1") if make is UiStream else make("ses_1", "run_1")  # type: ignore[call-arg]
+    translator: UiStream | AguiRun = UiStream("turn_1") if make is UiStream else AguiRun("ses_1", "run_1")
     t0 = time.perf_counter()
     for d in deltas:
         translator.feed(d)
