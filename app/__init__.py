@@ -27,11 +27,13 @@ from channels.requestid import RequestIds
 from channels.routes import routes
 from channels.sse import SseStats
 from channels.tokens import TokenSigner
+from channels.tracing import TraceRequests
 from channels.webhooks.base import WebhookChannel
 from channels.webhooks.outbound import OutboundWebhooks
 from channels.websocket import WsConfig, WsStats
 from harness import Agent, Harness
 from harness.errors import KeelError
+from harness.telemetry import tracing
 
 log = logging.getLogger("keel")
 OPENING_AT_ONCE = 64  # sockets doing their opening work (owner check, replay read) at the same time
@@ -147,6 +149,7 @@ def create_app(
             ),
         ],
         middleware=[
+            *([Middleware(TraceRequests)] if tracing.enabled() else []),  # (tracing on: the request's span)
             Middleware(RequestIds),
             Middleware(DrainGate, drain=drain),
             Middleware(FrontendCors, origins=settings.allowed_origins),  # (a preflight carries no key)

@@ -14,6 +14,7 @@ from urllib.parse import urlsplit, urlunsplit
 import uvicorn
 
 from app import create_app, load_agent
+from app import traces as app_tracing
 from app.embedded import EmbeddedError, EmbeddedValkey
 from app.lifecycle import KeelServer
 from app.logs import configure as configure_logs
@@ -107,6 +108,11 @@ def main() -> int:
         return 2
     configure_logs(settings, dict(os.environ))
     try:
+        app_tracing.start(settings, os.environ)
+    except ImportError as exc:
+        print(f"keel: {exc}", file=sys.stderr)
+        return 1
+    try:
         sock = listen(settings)
     except SettingsError as exc:
         print(f"keel: {exc}", file=sys.stderr)
@@ -126,6 +132,7 @@ def main() -> int:
         config = uvicorn.Config(app, host=settings.host, port=settings.port, **uvicorn_options(settings))
         KeelServer(config, app, settings.drain_s).run(sockets=[sock])
     finally:
+        app_tracing.stop()
         sock.close()
         if embedded is not None:
             embedded.stop()

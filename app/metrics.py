@@ -34,7 +34,7 @@ from channels.sse import SseStats
 from channels.websocket import WsStats
 from harness import Harness
 from harness.errors import Unavailable
-from harness.telemetry.metrics import Histogram, redis_errors
+from harness.telemetry.metrics import HarnessStats, Histogram, redis_errors
 from harness.types import Depth
 
 log = logging.getLogger("keel.metrics")
@@ -105,6 +105,7 @@ class KeelCollector(Collector):
         yield _counter("keel_events_committed", "events this process committed", stats.events, "type")
         yield _counter("keel_mcp_catalogue_changes", "MCP tool lists that changed (each costs the prompt cache)",
                        stats.mcp_catalogue_changes, "server")  # fmt: skip
+        yield from _cache_health(stats)
         relay = harness.relay
         if relay is not None:
             r = relay.stats
@@ -154,3 +155,28 @@ async def serve_worker_metrics(harness: Harness, settings: Settings, stop: async
     await stop.wait()
     server.should_exit = True
     await task
+
+
+def _cache_health(stats: HarnessStats) -> Iterator[Metric]:
+    """Prompt-cache health by agent and model: input tokens of turn calls, the part read from
+    the cache, their share (alert when it drops), and the times a session's cached prefix
+    (tools, system prompt) changed between two of its requests."""
+    labels = ["agent", "model"]
+    tokens = CounterMetricFamily("keel_prompt_input_tokens", "input tokens of turn model calls", labels=labels)
+    cached = CounterMetricFamily("keel_prompt_cached_tokens", "input tokens read from the prompt cache", labels=labels)
+    share = GaugeMetricFamily(
+        "keel_prompt_cache_read_ratio", "share of input tokens read from the cache (this process, since it started)",
+        labels=labels,
+    )  # fmt: skip
+    for key, n in stats.prompt_tokens.items():
+        read = stats.cached_tokens.get(key, 0)
+        tokens.add_metric(list(key), n)
+        cached.add_metric(list(key), read)
+        share.add_metric(list(key), read / n if n else 0.0)
+    busts = CounterMetricFamily(
+        "keel_prompt_cache_busts", "a session's tools or system prompt changed between two of its requests",
+        labels=["agent", "model", "part"],
+    )  # fmt: skip
+    for (agent, model, part), n in stats.cache_busts.items():
+        busts.add_metric([agent, model, part], n)
+    yield from (tokens, cached, share, busts)

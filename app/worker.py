@@ -9,6 +9,7 @@ import signal
 import sys
 
 from app import build_harness
+from app import traces as app_tracing
 from app.__main__ import prepare
 from app.logs import configure as configure_logs
 from app.metrics import serve_worker_metrics
@@ -45,11 +46,15 @@ def main() -> int:
         if settings.redis_url is None:
             raise SettingsError("the worker needs REDIS_URL: the embedded Valkey belongs to one web process")
         configure_logs(settings, dict(os.environ))
+        app_tracing.start(settings, os.environ, service=os.environ.get("OTEL_SERVICE_NAME") or "keel-worker")
         url, _ = prepare(settings, runs_turns=True)
-    except SettingsError as exc:
+    except (SettingsError, ImportError) as exc:
         print(f"keel worker: {exc}", file=sys.stderr)
         return 1
-    asyncio.run(run(settings, url))
+    try:
+        asyncio.run(run(settings, url))
+    finally:
+        app_tracing.stop()
     return 0
 
 

@@ -309,7 +309,12 @@ class TurnReader:
         armed = harness.sessions.arm(sid)
         try:
             done = await harness.sessions.submit(sid, owner, text, context, message_id)
-            if done.duplicate and await harness.sessions.message_text(sid, owner, done.received_id) not in (text, None):
+            sent = (
+                await harness.sessions.message_text(sid, owner, done.received_id, message_id)
+                if done.duplicate
+                else None
+            )
+            if sent is not None and sent != text:
                 raise ChannelError(
                     409,
                     "message_edited",

@@ -82,6 +82,7 @@ class InboxMessage(msgspec.Struct, frozen=True, omit_defaults=True):
     context: list[str] = []  # this turn only
     sticky: dict[str, str | None] = {}  # keyed updates, applied when the turn begins
     author: str = ""  # who wrote it, as the channel names them (a Slack user id); "" over the API
+    trace: str = ""  # the W3C traceparent of the request that sent it (tracing on): its turn's parent
 
 
 class SessionInfo(msgspec.Struct, frozen=True):

@@ -32,6 +32,11 @@ class _Process:
         assert self.proc is not None
         return self.proc.wait(timeout=timeout)
 
+    def kill9(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
@@ -72,11 +77,6 @@ class Service(_Process):
                     return
             time.sleep(0.05)
         raise AssertionError("keel did not become ready")
-
-    def kill9(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(timeout=10)
 
 
 class Worker(_Process):

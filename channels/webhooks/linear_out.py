@@ -33,6 +33,7 @@ from harness.events import (
     TurnStarted,
 )
 from harness.relay import Outbound, Retry, RetryPolicy, Undeliverable
+from harness.telemetry import tracing
 
 _json = msgspec.json.Encoder()
 BODY_LIMIT = 10_000  # characters of an activity's body or result
@@ -137,7 +138,7 @@ class LinearDestination:
 
     async def _graphql(self, query: str, variables: dict[str, Any]) -> Any:
         assert self.http is not None, "LinearDestination.start() first"
-        headers = {"Authorization": self.auth, "Content-Type": "application/json"}
+        headers = {"Authorization": self.auth, "Content-Type": "application/json", **tracing.headers()}
         try:
             async with self.http.post(
                 self.api_url, json={"query": query, "variables": variables}, headers=headers

@@ -28,6 +28,7 @@ from channels.webhooks.failures import UNREACHABLE, answered, unreachable
 from harness import Harness
 from harness.events import StoredEvent
 from harness.relay import Destination, Outbound, RetryPolicy, Undeliverable
+from harness.telemetry import tracing
 from harness.types import Subscription
 
 PREFIX = "wh:"
@@ -65,6 +66,7 @@ class WebhookDestination:
             "webhook-timestamp": str(int(now.timestamp())),
             "webhook-signature": self.signer.sign(msg_id, now, raw),
             "User-Agent": "keel-webhooks",
+            **tracing.headers(),  # (tracing on: the delivery's span)
         }
         http = self.hooks.http
         assert http is not None, "OutboundWebhooks.start() first"

@@ -19,17 +19,21 @@ import time
 from collections.abc import Coroutine
 from typing import TypeVar
 
+import msgspec
+
 from harness import failpoints
 from harness.errors import ModelError
 from harness.events import delta
 from harness.loop.agent import Agent
-from harness.models.base import ModelReply, ModelRequest, TextDelta
+from harness.models.base import ModelReply, ModelRequest, TextDelta, ToolSpec
 from harness.retry import backoff
 from harness.store import Store
+from harness.telemetry import tracing
 from harness.telemetry.metrics import HarnessStats
 from harness.types import Usage
 
 log = logging.getLogger("keel.model")
+_enc = msgspec.json.Encoder()
 T = TypeVar("T")
 LIVE_YIELD_S = 0.002  # during a burst of deltas, readers get the floor at least this often
 
@@ -45,6 +49,29 @@ class HandedOver(Exception):
     takes the turn over from its last commit (a signal, not a failure)."""
 
 
+_tools_memo: list[tuple[object, int]] = [(None, 0)]  # the last tool list hashed (a turn's is one tuple)
+
+
+def _tools_hash(tools: tuple[ToolSpec, ...]) -> int:
+    seen, value = _tools_memo[0]
+    if seen is not tools:
+        value = hash(_enc.encode(tools))
+        _tools_memo[0] = (tools, value)
+    return value
+
+
+def _usage_attributes(reply: ModelReply) -> dict[str, object]:
+    usage = reply.usage
+    if usage is None:
+        return {}
+    return {
+        "gen_ai.usage.input_tokens": usage.input_tokens,
+        "gen_ai.usage.output_tokens": usage.output_tokens,
+        "gen_ai.usage.cache_read.input_tokens": usage.cached_tokens,
+        "gen_ai.usage.cache_creation.input_tokens": usage.cache_write_tokens,
+    }
+
+
 class Calls:
     """The model calls in progress in this process, one per session at most: a drain stops
     every call, and every one that would start after it, with HandedOver (`hand_over`)."""
@@ -57,6 +84,9 @@ class Calls:
         self.handing_over = True
         for call in list(self.running.values()):
             call.hand_over()
+
+
+STOPS = (Interrupted, HandedOver)  # a call's ends that are no failure (its span says "stopped")
 
 
 def as_model_error(exc: Exception) -> ModelError:
@@ -114,6 +144,7 @@ class ModelCall:
         running = self._running.running
         running[self.sid] = self
         self._leaving = self._running.handing_over
+        self._watch_prefix(request)
         try:
             with self._hub.cancellable(self.sid, self.turn_id, self.interrupt):
                 return await self._attempts(request, step, item_id, counted=counted)
@@ -131,19 +162,26 @@ class ModelCall:
                 await self.store.count_attempt(self.sid)  # before the call: a reply lost in a crash still counts
             counted = False
             began = time.perf_counter()
-            try:
-                reply = await self._cut_short(self._stream(request, item_id))
-            except (Interrupted, HandedOver) as exc:
-                outcome = "interrupted" if isinstance(exc, Interrupted) else "handed_over"
-                self.stats.attempt(outcome, time.perf_counter() - began)
-                await self._record_failed(step)
-                raise
-            except Exception as exc:
-                error = as_model_error(exc)
-                self.stats.attempt(error.code, time.perf_counter() - began)
-            else:
-                self.stats.attempt("ok", time.perf_counter() - began)
-                return reply
+            with tracing.span(f"chat {self.model_name}", self._attributes(request, retry), signals=STOPS) as span:
+                try:
+                    reply = await self._cut_short(self._stream(request, item_id))
+                except (Interrupted, HandedOver) as exc:
+                    outcome = "interrupted" if isinstance(exc, Interrupted) else "handed_over"
+                    self.stats.attempt(outcome, time.perf_counter() - began)
+                    await self._record_failed(step)
+                    raise
+                except Exception as exc:
+                    error = as_model_error(exc)
+                    self.stats.attempt(error.code, time.perf_counter() - began)
+                    tracing.failed(span, error.code)
+                else:
+                    self.stats.attempt("ok", time.perf_counter() - began)
+                    if reply.usage is not None:
+                        usage = reply.usage
+                        self.stats.cache_read(self.agent.name, self.model_name, usage.input_tokens, usage.cached_tokens)
+                    tracing.record(span, _usage_attributes(reply))
+                    tracing.content(span, "gen_ai.output.messages", reply.text)
+                    return reply
             log.warning("session %s turn %s: model attempt failed: %s", self.sid, self.turn_id, error.code)
             await self._record_failed(step)
             if not error.retryable or retry >= self.agent.model_retries:
@@ -166,6 +204,35 @@ class ModelCall:
             raise self._stopped() from None
         finally:
             self._cuttable = False
+
+    def _watch_prefix(self, request: ModelRequest) -> None:
+        """Prompt-cache health: a request whose tools or system prompt differ from the session's
+        previous one's writes its cache again (and so does every request after it, if the
+        change is one that recurs: a clock or an id in the instructions). Counted and logged."""
+        tools = _tools_hash(request.tools)
+        changed = self.stats.prefix(self.agent.name, self.model_name, self.sid, tools, hash(request.system))
+        if changed:
+            log.warning(
+                "session %s turn %s: the cached prefix changed since the session's last request (%s): "
+                "the provider writes its prompt cache again",
+                self.sid,
+                self.turn_id,
+                " and ".join(changed),
+            )
+
+    @property
+    def model_name(self) -> str:
+        return str(getattr(self.agent.model, "model", type(self.agent.model).__name__))
+
+    def _attributes(self, request: ModelRequest, retry: int) -> dict[str, object]:
+        return {
+            "gen_ai.operation.name": "chat",
+            "gen_ai.provider.name": str(getattr(self.agent.model, "PROVIDER", "unknown")),
+            "gen_ai.request.model": self.model_name,
+            "gen_ai.conversation.id": self.sid,
+            "keel.turn.id": self.turn_id,
+            "keel.attempt": retry + 1,
+        }
 
     def _stopped(self) -> Interrupted | HandedOver:
         """Why the call stops: a cancel of the turn (it wins: the turn ends), else a drain."""

@@ -12,6 +12,8 @@ import asyncio
 import logging
 import time
 
+import msgspec
+
 from harness import failpoints
 from harness.errors import CallbackError, ModelError, StaleLease
 from harness.events import (
@@ -50,6 +52,7 @@ from harness.store import (
     UsageRecord,
     Withheld,
 )
+from harness.telemetry import tracing
 from harness.telemetry.metrics import HarnessStats
 from harness.tools import ToolContext
 from harness.tools.calls import denial, needs_approval, result_item, run_call
@@ -57,6 +60,7 @@ from harness.tools.toolbox import Toolbox
 from harness.types import Answer, ApprovalRequest, Item, ToolCall, Usage
 
 log = logging.getLogger("keel.turn")
+_enc = msgspec.json.Encoder()
 
 
 class Turn:
@@ -315,7 +319,7 @@ class Turn:
                 if call.id != announced and _cancelled(await self._commit([], self._tool_started([call]), guard=True)):
                     return EndCancelled()
                 began = time.perf_counter()
-                ran = await self._run_call(call)
+                ran = await self._traced_call(call)
                 self.stats.tool(
                     call.name if call.name in self.toolbox.tools else "unknown", time.perf_counter() - began
                 )
@@ -344,6 +348,26 @@ class Turn:
             self.attempt_counted = model_next
         self._reread = bool(self.agent.runtime)
         return None
+
+    async def _traced_call(self, call: ToolCall) -> tuple[str, bool] | None:
+        """`_run_call` in its `execute_tool` span."""
+        attributes = {
+            "gen_ai.operation.name": "execute_tool",
+            "gen_ai.tool.name": call.name,
+            "gen_ai.tool.call.id": call.id or "",
+            "gen_ai.conversation.id": self.sid,
+            "keel.turn.id": self.turn_id,
+        }
+        with tracing.span(f"execute_tool {call.name}", attributes) as span:
+            tracing.content(span, "gen_ai.tool.call.arguments", _enc.encode(call.arguments).decode())
+            ran = await self._run_call(call)
+            if ran is None:
+                tracing.record(span, {"keel.stopped": "cancelled"})
+            else:
+                if ran[1]:
+                    tracing.failed(span, "tool_error")
+                tracing.content(span, "gen_ai.tool.call.result", ran[0])
+            return ran
 
     async def _run_call(self, call: ToolCall) -> tuple[str, bool] | None:
         """Run one call: its result text and whether it is an error; None when the tool is one a

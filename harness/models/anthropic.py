@@ -29,6 +29,8 @@ CACHE = {"type": "ephemeral"}
 
 
 class AnthropicModel:
+    PROVIDER = "anthropic"  # (gen_ai.provider.name)
+
     def __init__(
         self,
         model: str,

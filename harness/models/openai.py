@@ -30,6 +30,8 @@ PROVIDER = "openai"
 
 
 class OpenAIModel:
+    PROVIDER = "openai"  # (gen_ai.provider.name)
+
     def __init__(
         self,
         model: str,

@@ -21,6 +21,9 @@ class ScriptedModel:
     without usage gets an estimate. With `chunk=n` the reply's text is streamed first, `n`
     characters a delta (by default it comes whole, as one reply with no deltas)."""
 
+    PROVIDER = "keel.scripted"  # (gen_ai.provider.name)
+    model = "scripted"
+
     def __init__(self, fn: ScriptFn, *, keep: int | None = None, chunk: int | None = None) -> None:
         self._fn = fn
         self._keep = keep

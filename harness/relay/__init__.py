@@ -40,6 +40,7 @@ from harness.ids import new_id
 from harness.relay.destination import Destination, Outbound, Parked, RelayStats, Retry, RetryPolicy, Undeliverable
 from harness.relay.session import LeaseLost, Session
 from harness.store import Failing, JobId, Store, relay_queue
+from harness.telemetry import tracing
 
 log = logging.getLogger("keel.relay")
 REPORT_EVERY_S = 60.0
@@ -257,7 +258,11 @@ class Relay:
                 if wait > 0:
                     await asyncio.sleep(wait)
             try:
-                result = await call()
+                # (the destination's request carries this span's traceparent: tracing.headers())
+                tried = (failing.fails if failing else 0) + 1
+                attributes = {"gen_ai.conversation.id": session.sid, "keel.destination": session.dest.name}
+                with tracing.span(f"deliver {session.dest.name}", {**attributes, "keel.delivery.try": tried}):
+                    result = await call()
             except Retry as exc:
                 now = time.time()
                 fails = (failing.fails if failing else 0) + 1

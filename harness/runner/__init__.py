@@ -31,6 +31,7 @@ from harness.loop.turn import Turn
 from harness.runner.lease import Renewal
 from harness.runner.state import InHand, Phase
 from harness.store import Begun, Busy, JobId, JobQueue, NoWork, Store
+from harness.telemetry import tracing
 from harness.telemetry.logcontext import session_id, turn_id
 from harness.telemetry.metrics import HarnessStats
 from harness.tools.toolbox import Toolbox
@@ -329,7 +330,20 @@ class Runner:
                 turn = Turn(
                     self.store, self.agent, sid, begun, calls=self.calls, stats=self.stats, tools=self.toolbox()
                 )
-                outcome = await turn.run()
+                with tracing.span(
+                    f"invoke_agent {self.agent.name}",
+                    {
+                        "gen_ai.operation.name": "invoke_agent",
+                        "gen_ai.agent.name": self.agent.name,
+                        "gen_ai.conversation.id": sid,
+                        "keel.turn.id": begun.message.turn_id,
+                        "keel.message.id": begun.message.message_id,
+                        "keel.turn.took_over": begun.took_over,
+                    },
+                    parent=begun.message.trace,
+                    signals=(HandedOver,),
+                ):
+                    outcome = await turn.run()
                 self.stats.turn_seconds.observe(time.perf_counter() - started)
             else:
                 outcome = await Housekeeping(self.store, self.agent, sid, begun).run()

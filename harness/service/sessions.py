@@ -19,7 +19,7 @@ import msgspec
 
 from harness import failpoints
 from harness.errors import Conflict, InvalidInput, NotFound
-from harness.events import LiveEvent, MessageReceived, Requested, StoredEvent
+from harness.events import LiveEvent, MessageReceived, MessageSteered, Requested, StoredEvent
 from harness.ids import MESSAGE_ID, SESSION_ID, new_id
 from harness.loop.context import split_context
 from harness.runner import Runner
@@ -37,6 +37,7 @@ from harness.store import (
     cursor_of,
     streamids,
 )
+from harness.telemetry import tracing
 from harness.types import (
     SESSIONS_PAGE_MAX,
     Answer,
@@ -157,7 +158,13 @@ class Sessions:
             raise InvalidInput("policy is queue, steer, interrupt or reject", code="invalid_policy")
         turn_only, sticky = split_context(context)
         message = InboxMessage(
-            message_id=message_id, turn_id=new_id("turn"), text=text, context=turn_only, sticky=sticky, author=author
+            message_id=message_id,
+            turn_id=new_id("turn"),
+            text=text,
+            context=turn_only,
+            sticky=sticky,
+            author=author,
+            trace=tracing.traceparent(),  # (its turn's spans are this request's children)
         )
         # A process that runs turns, and runs none of this session's now, lets SUBMIT begin the
         # turn too (one round trip less); the session is held meanwhile, so that its job coming
@@ -397,13 +404,22 @@ class Sessions:
         head = await self.store.head(sid)
         return head.message_id if head is not None else None
 
-    async def message_text(self, sid: str, owner: str, received_id: str) -> str | None:
-        """The text of the message whose message.received is `received_id`, if still kept."""
+    async def message_text(self, sid: str, owner: str, received_id: str, message_id: str = "") -> str | None:
+        """The text of the message whose message.received (or message.steered) is
+        `received_id`, if still kept; else, with `message_id`, its user item's in the active
+        history (an event trimmed, or a message a fork copied)."""
         check_session_id(sid)
         await self.store.look(sid, owner)
         event = await self.store.outbox.event(sid, received_id)
-        received = event.of(MessageReceived) if event is not None else None
-        return received.data.text if received is not None else None
+        if event is not None:
+            found = event.of(MessageReceived) or event.of(MessageSteered)
+            if found is not None:
+                return found.data.text
+        if message_id:
+            for item in await self.store.history(sid, owner):
+                if item.role == "user" and item.kind == "message" and item.message_id == message_id:
+                    return item.text
+        return None
 
     async def turn_start(self, sid: str, owner: str, turn_id: str) -> str | None:
         """Where a replay of turn `turn_id` from its first event starts; None if the session

@@ -262,6 +262,8 @@ for j = 1, #A.items, 1000 do  -- (unpack has a limit: a long history goes in sli
 end
 redis.call('HSET', K.meta, 'turn_start', length, 'preview', A.preview)
 if A.title ~= '' then redis.call('HSET', K.meta, 'title', A.title) end
+-- the copied messages' ids are the fork's too (sent again, the same message; edited, a fork again)
+for _, m in ipairs(A.mids) do redis.call('HSET', K.mids, m[1], m[2] .. ' ' .. id) end
 keep(A.create.ttl_ms)
 return reply({tag = 'ok', id = id, seq = first_seq})
 """

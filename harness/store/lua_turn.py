@@ -32,6 +32,19 @@ end
 # and made again under the same id has another `created_at`) and is not longer than the list;
 # else all of the active history. Keyed context it writes expires with the session.
 # `begin_turn` is shared with SUBMIT, which begins the turn of a message it finds alone.
+# A message's keyed page context (its `sticky`: key -> text, or null to remove the key) made the
+# session's, expiring with it.
+_STICKY = """
+local function apply_sticky(sticky)
+  if type(sticky) ~= 'table' then return end
+  for k, v in pairs(sticky) do
+    if v == cjson.null then redis.call('HDEL', K.sticky, k)
+    elseif type(v) == 'string' then redis.call('HSET', K.sticky, k, v) end
+  end
+  expire_with_meta(K.sticky)
+end
+"""
+
 _BEGIN_TURN = """
 local function begin_turn(B)
   local meta = redis.call('HMGET', K.meta, 'owner', 'cancel', 'status', 'undecided', 'turn', 'hist_start',
@@ -56,13 +69,7 @@ local function begin_turn(B)
   local turn_start = tonumber(meta[7])
   local waiting_on = meta[8] or ''
   if meta[5] ~= m.turn_id then
-    if kind == 'message' and type(m.sticky) == 'table' then
-      for k, v in pairs(m.sticky) do
-        if v == cjson.null then redis.call('HDEL', K.sticky, k)
-        elseif type(v) == 'string' then redis.call('HSET', K.sticky, k, v) end
-      end
-      expire_with_meta(K.sticky)
-    end
+    if kind == 'message' then apply_sticky(m.sticky) end
     turn_start, waiting_on = length, ''
     redis.call('HSET', K.meta, 'turn', m.turn_id, 'turn_start', turn_start, 'status', 'running',
       'waiting_on', '', 'undecided', 0, 'held', 1)
@@ -105,7 +112,7 @@ local function begin_turn(B)
 end
 """
 
-BEGIN = _COMMON + _EMIT + _KEEP + _BEGIN_TURN + "return reply(begin_turn(A))\n"
+BEGIN = _COMMON + _EMIT + _KEEP + _STICKY + _BEGIN_TURN + "return reply(begin_turn(A))\n"
 
 # Records a message (idempotent on its message_id) with its message.received event. With
 # `A.begin` (a process that runs turns, and runs none of this session's now), a message that
@@ -118,6 +125,7 @@ SUBMIT = (
     + _EMIT
     + _KEEP
     + _CREATE
+    + _STICKY
     + _BEGIN_TURN
     + """
 local created = nil
@@ -163,7 +171,12 @@ if h and A.policy == 'interrupt' then
     redis.call('HSET', K.meta, 'cancel', h.turn_id)
     out.interrupted = h.turn_id
   end
-  queued = redis.call('LINSERT', K.inbox, 'AFTER', head, A.entry)
+  -- (behind the interrupts already waiting behind this head, in the order they came)
+  local last = redis.call('HGET', K.meta, 'interrupts')
+  local pivot = head
+  if last and redis.call('LPOS', K.inbox, last) then pivot = last end
+  queued = redis.call('LINSERT', K.inbox, 'AFTER', pivot, A.entry)
+  redis.call('HSET', K.meta, 'interrupts', A.entry)
 else
   queued = redis.call('RPUSH', K.inbox, A.entry)
 end
@@ -201,6 +214,7 @@ COMMIT = (
     + _EMIT
     + _KEEP
     + _USAGE
+    + _STICKY
     + """
 if redis.call('EXISTS', K.meta) == 0 then return reply({tag = 'stale'}) end
 local ids = {}
@@ -240,6 +254,7 @@ local steered = {}
 if A.attempt and not cancel and A.mode == 'step' then
   for _, entry in ipairs(redis.call('LRANGE', K.steer, 0, -1)) do
     local m = cjson.decode(entry)
+    apply_sticky(m.sticky)  -- (its keyed page context: for the turns that follow)
     steered[#steered + 1] = '{"id":' .. cjson.encode('it_' .. A.turn_id .. '_s_' .. m.turn_id) ..
       ',"role":"user","text":' .. cjson.encode(m.text) .. ',"turn_id":' .. cjson.encode(A.turn_id) ..
       ',"message_id":' .. cjson.encode(m.message_id) .. '}'
@@ -262,16 +277,30 @@ elseif A.mode == 'final' then
   -- each a turn of its own now (its message.received written last, after the commit's events)
   local waiting = redis.call('LRANGE', K.steer, 0, -1)
   out.received = {}
-  for j = #waiting, 1, -1 do
-    local m = cjson.decode(waiting[j])
+  for _, entry in ipairs(waiting) do
+    local m = cjson.decode(entry)
     local data = '{"message_id":' .. cjson.encode(m.message_id) .. ',"text":' .. cjson.encode(m.text) .. '}'
     local received = body(m.turn_id, A.at, data)
     local rid = emit(A.retention, EV.MessageReceived, received)
     redis.call('HSET', K.mids, m.message_id, m.turn_id .. ' ' .. rid)
-    redis.call('LPUSH', K.inbox, waiting[j])
-    table.insert(out.received, 1, {id = rid, seq = last_seq, body = received})
+    out.received[#out.received + 1] = {id = rid, seq = last_seq, body = received}
   end
-  if #waiting > 0 then redis.call('DEL', K.steer) end
+  -- (they run first, but after the messages that interrupted the turn: those run next)
+  local last = redis.call('HGET', K.meta, 'interrupts')
+  local pivot = last and redis.call('LPOS', K.inbox, last) and last or nil
+  for j = 1, #waiting do
+    if pivot then
+      redis.call('LINSERT', K.inbox, 'AFTER', pivot, waiting[j])
+      pivot = waiting[j]
+    else
+      redis.call('LPUSH', K.inbox, waiting[#waiting - j + 1])
+    end
+  end
+  if #waiting > 0 then
+    redis.call('DEL', K.steer)
+    expire_with_meta(K.inbox)
+  end
+  redis.call('HDEL', K.meta, 'interrupts')
   local left = redis.call('LLEN', K.inbox)
   redis.call('HSET', K.meta, 'turn', '', 'status', left > 0 and 'running' or 'idle', 'waiting_on', '', 'undecided', 0,
     'held', 0)

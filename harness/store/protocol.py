@@ -378,6 +378,7 @@ class ForkArgs(msgspec.Struct, frozen=True):
     items: list[str]  # encoded Items: the new session's whole history
     title: str = ""  # the source's ("": none yet)
     preview: str = ""
+    mids: list[tuple[str, str]] = []  # (message id, turn id) of the messages copied
 
 
 # ---- UPDATE (PATCH) -----------------------------------------------------------------------
@@ -429,7 +430,7 @@ RELEASE: Script[Held] = Script(lua.RELEASE, ("lease", "meta"), Held)
 DELETE: Script[Deleted | Changed | Missing] = Script(lua.DELETE, _ALL, Deleted | Changed | Missing)
 UPDATE: Script[Done | Changed | Missing] = Script(lua.UPDATE, ("meta",), Done | Changed | Missing)
 FORK_READ: Script[Source | Missing] = Script(lua.FORK_READ, ("meta", "history", "mids", "inbox"), Source | Missing)
-FORK: Script[Added | Exists] = Script(lua.FORK, ("meta", "outbox", "history"), Added | Exists)
+FORK: Script[Added | Exists] = Script(lua.FORK, ("meta", "outbox", "history", "mids"), Added | Exists)
 SCRIPTS: tuple[Script[object], ...] = (
     CREATE,
     ENQUEUE,

@@ -17,6 +17,7 @@ that create it, take a message, and end or pause a turn: at most an hour early, 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -80,7 +81,7 @@ from harness.store.types import (
     UsageRecord,
     Withheld,
 )
-from harness.store.wire import Replicas
+from harness.store.wire import Replicas, raised
 from harness.telemetry.metrics import HarnessStats
 from harness.types import (
     Answer,
@@ -251,12 +252,12 @@ class Store:
             for d in destinations:
                 keys += [DeliveryKeys(sid, d).state, DeliveryKeys(sid, d).lease]
             args = p.DELETE.args(p.DeleteArgs(owner, destinations))
-            also = [catalog.untouch(owner, sid)]  # (harmless for one not deleted: a page drops it if it is still there)
-            raw, *_ = await self.wire.script_with(p.DELETE.sha, p.DELETE.source, keys, args, also)
-            res = p.DELETE.reply(raw)
+            res = p.DELETE.reply(await self.wire.script(p.DELETE.sha, p.DELETE.source, keys, args))
             if isinstance(res, p.Missing):
                 raise _missing(sid)
             if isinstance(res, p.Deleted):
+                with contextlib.suppress(Exception):  # (best effort: a page drops what is gone anyway)
+                    raised(await self.wire.call([catalog.untouch(owner, sid)]))
                 self._known.pop(sid, None)
                 self._cache.drop(sid)
                 if res.turn_id:
@@ -281,7 +282,16 @@ class Store:
         if before_message_id is not None:
             if not src.message_turn:
                 raise NotFound(f"no message {before_message_id} in session {sid}", code="message_not_found")
-            cut = next((n for n, item in enumerate(items) if item.turn_id == src.message_turn), None)
+            # (the turn's own first item: a summary or to-do list a compaction during that turn
+            # wrote carries its id too, and is what came before it)
+            cut = next(
+                (
+                    n
+                    for n, item in enumerate(items)
+                    if item.turn_id == src.message_turn and item.kind not in ("summary", "todo")
+                ),
+                None,
+            )
             if cut is None and not (src.queued or src.message_turn == src.turn):
                 raise Conflict(
                     f"message {before_message_id}'s turn left nothing in the active history (compacted away, "
@@ -295,7 +305,9 @@ class Store:
         now = time.time()
         create = p.CreateArgs(owner, repr(now), src.metadata, self.retention, created.decode(), self.ttl_ms)
         last = next((i.text for i in reversed(kept) if i.kind == "message" and i.text), "")
-        args = p.ForkArgs(create, [_enc.encode(i).decode() for i in kept], src.title, last[: catalog.PREVIEW_CHARS])
+        copied = [(i.message_id, i.turn_id) for i in kept if i.role == "user" and i.kind == "message" and i.message_id]
+        encoded = [_enc.encode(i).decode() for i in kept]
+        args = p.ForkArgs(create, encoded, src.title, last[: catalog.PREVIEW_CHARS], copied)
         return await self._new_session(p.FORK, new_sid, owner, args, created=created, now=now)
 
     @translated
@@ -430,7 +442,7 @@ class Store:
             if policy == "steer"
             else "",
         )
-        if policy == "reject" and await self.redis.llen(SessionKeys(sid).inbox):
+        if policy == "reject" and await self._busy_for(sid, message.message_id):
             raise self._busy(sid)  # (nothing written, the job neither; SUBMIT checks again)
         destinations = [deliver_to] if deliver_to else await self.hooks.targets(owner)
         look = deliver_to is None and create is None
@@ -468,6 +480,13 @@ class Store:
         if isinstance(res, p.Full):
             raise self._full()
         return job
+
+    async def _busy_for(self, sid: str, message_id: str) -> bool:
+        """Whether a new message `message_id` would find a turn running or waiting (a message
+        already recorded is not new: SUBMIT answers it as the same message)."""
+        k = SessionKeys(sid)
+        queued, known = raised(await self.wire.call([("LLEN", k.inbox), ("HEXISTS", k.mids, message_id)]))
+        return bool(queued) and not known
 
     @staticmethod
     def _busy(sid: str) -> Conflict:

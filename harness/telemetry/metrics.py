@@ -18,6 +18,7 @@ from harness.events import OUTCOMES, StoredEvent
 # seconds: a turn of a zero-latency model takes about a millisecond, a real one seconds
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _redis_errors = [0]  # Redis failures this process met (one Redis client per process)
+PREFIXES_KEPT = 10_000  # sessions whose last request's prefix a process remembers (cache-bust detection)
 
 
 def redis_errors() -> int:
@@ -71,6 +72,34 @@ class HarnessStats:
     mcp_catalogue_changes: dict[str, int] = field(default_factory=dict)  # MCP server -> its tool list changed
     lease_takeovers: int = 0  # turns this process resumed from a runner whose lease lapsed
     handed_over: int = 0  # sessions this process gave to other runners when it drained
+    # prompt-cache health, by (agent, model): input tokens of turn calls, those read from the
+    # cache, and the times a session's tools or system prompt changed between its requests
+    prompt_tokens: dict[tuple[str, str], int] = field(default_factory=dict)
+    cached_tokens: dict[tuple[str, str], int] = field(default_factory=dict)
+    cache_busts: dict[tuple[str, str, str], int] = field(default_factory=dict)  # (agent, model, "tools"|"system")
+    _prefixes: dict[str, tuple[int, int]] = field(default_factory=dict)  # session -> hashes of its last request
+
+    def cache_read(self, agent: str, model: str, input_tokens: int, cached: int) -> None:
+        key = (agent, model)
+        self.prompt_tokens[key] = self.prompt_tokens.get(key, 0) + input_tokens
+        self.cached_tokens[key] = self.cached_tokens.get(key, 0) + cached
+
+    def prefix(self, agent: str, model: str, sid: str, tools: int, system: int) -> list[str]:
+        """A turn call's cached prefix (hashes of its tools and of its system prompt): what
+        changed since the session's previous request here ("tools", "system"), counted. A
+        bounded memo: the oldest session is forgotten past PREFIXES_KEPT."""
+        was = self._prefixes.pop(sid, None)
+        self._prefixes[sid] = (tools, system)
+        if len(self._prefixes) > PREFIXES_KEPT:
+            del self._prefixes[next(iter(self._prefixes))]
+        if was is None:
+            return []
+        pairs = (("tools", was[0], tools), ("system", was[1], system))
+        changed = [part for part, before, now in pairs if before != now]
+        for part in changed:
+            key = (agent, model, part)
+            self.cache_busts[key] = self.cache_busts.get(key, 0) + 1
+        return changed
 
     def committed(self, events: list[StoredEvent]) -> None:
         counts = self.events

@@ -104,6 +104,11 @@ async def test_the_families_move_when_turns_run(serve: Any) -> None:
     assert moved(before, after, "keel_events_committed_total", type="turn.completed") == 2
     assert moved(before, after, "keel_events_committed_total", type="turn.failed") == 1
     assert moved(before, after, "keel_events_committed_total", type="tool.completed") == 1
+    # prompt-cache health: the turn calls' input tokens by agent and model, and their cached share
+    labels = {"agent": "agent", "model": "scripted"}
+    assert moved(before, after, "keel_prompt_input_tokens_total", **labels) > 0
+    assert ("keel_prompt_cache_read_ratio", tuple(sorted(labels.items()))) in after
+    assert not any(name == "keel_prompt_cache_busts_total" for name, _ in after)  # (no session's prefix changed)
     assert during[("keel_websockets_open", ())] == before[("keel_websockets_open", ())] + 1
     assert after[("keel_job_queue_depth", ())] >= 0
 
