@@ -100,6 +100,7 @@ class System:
     server: Server
     new_session: Callable[[Conn], Awaitable[str]]
     turn_path: Callable[[str], str]
+    valkey: tuple[int, int] | None = None  # its own Valkey (port, pid), if not the shared one
 
     @property
     def name(self) -> str:
@@ -238,27 +239,27 @@ def check(failures: Failures, system: System, what: str) -> None:
 
 
 async def measure(systems: list[System], valkey: tuple[int, int], args: argparse.Namespace) -> dict[str, Any]:
-    valkey_port, valkey_pid = valkey
     deadline: Deadline = args.deadline_obj
     for s in systems:
         await wait_ready(s.server, deadline)
-    redis = Redis(host=HOST, port=valkey_port)
+    own = {s.name: s.valkey or valkey for s in systems}  # (port, pid) of each system's Valkey
+    clients = {s.name: Redis(host=HOST, port=own[s.name][0]) for s in systems}
     results: dict[str, dict[str, Any]] = {s.name: {} for s in systems}
     try:
         for s in systems:
             failures = Failures()
-            results[s.name].update(
-                await sequential(s, args.turns, redis, valkey_pid, deadline=deadline, failures=failures)
-            )
+            redis, pid = clients[s.name], own[s.name][1]
+            results[s.name].update(await sequential(s, args.turns, redis, pid, deadline=deadline, failures=failures))
             check(failures, s, "sequential")
         rounds: dict[str, list[dict[str, Any]]] = {s.name: [] for s in systems}
         for _ in range(args.rounds):
             for s in systems:
                 failures = Failures()
-                rounds[s.name].append(await concurrent_round(s, args.sessions, valkey_pid, deadline, failures))
+                rounds[s.name].append(await concurrent_round(s, args.sessions, own[s.name][1], deadline, failures))
                 check(failures, s, f"concurrent ({args.sessions} sessions)")
     finally:
-        await redis.aclose()
+        for client in clients.values():
+            await client.aclose()
     for s in systems:
         rs = rounds[s.name]
         r = results[s.name]
@@ -307,6 +308,16 @@ def report(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> dict
         f"\nkeel/bare: seq p50 x{ratios['seq_p50']:.2f}, seq p99 x{ratios['seq_p99']:.2f},"
         f" turns/s x{ratios['turns_per_s']:.3f}"
     )
+    traced = results.get("traced")
+    if traced is not None:  # (--tracing: keel with its spans exported, beside keel without)
+        ratios["traced_cpu"] = traced["conc_server_cpu_ms_per_turn"] / keel["conc_server_cpu_ms_per_turn"]
+        ratios["traced_seq_cpu"] = traced["seq_server_cpu_ms_per_turn"] / keel["seq_server_cpu_ms_per_turn"]
+        added = traced["conc_server_cpu_ms_per_turn"] - keel["conc_server_cpu_ms_per_turn"]
+        print(
+            f"traced/keel: server CPU per turn under load x{ratios['traced_cpu']:.2f} ({added:+.3f} ms),"
+            f" sequential x{ratios['traced_seq_cpu']:.2f}; seq p50 x{traced['seq_p50_ms'] / keel['seq_p50_ms']:.2f};"
+            f" {args.spans_received} spans received"
+        )
     notes = []
     if ratios["seq_p50"] > 3:
         notes.append(f"keel seq p50 is {ratios['seq_p50']:.1f}x bare (target: at most 3x)")
@@ -318,6 +329,7 @@ def report(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> dict
         "config": {"turns": args.turns, "sessions": args.sessions, "rounds": args.rounds, "conc_turns": CONC_TURNS},
         "keel": keel,
         "bare": bare,
+        **({"traced": traced, "spans_received": args.spans_received} if traced is not None else {}),
         "ratio_keel_over_bare": ratios,
     }
     print("RESULT " + json.dumps(out, default=float), flush=True)
@@ -381,6 +393,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--sessions", type=positive, default=100, help="concurrent sessions (default 100)")
     ap.add_argument("--rounds", type=positive, default=3, help="concurrent rounds (default 3)")
     ap.add_argument("--deadline", type=float, default=600.0, help="global time budget in seconds (default 600)")
+    ap.add_argument(
+        "--tracing",
+        action="store_true",
+        help="also keel with tracing on (OTLP/HTTP to a receiver in this process, its own Valkey): 'traced'",
+    )
     ap.add_argument("--serve-bare", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--redis-port", type=int, help=argparse.SUPPRESS)
@@ -390,10 +407,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def start_traced(
+    tmp: Path, deadline: Deadline, keel_env: dict[str, str], servers: list[Server], valkeys: list[Any]
+) -> tuple[System, Any]:
+    """--tracing: keel as `keel` is, with its spans exported over OTLP/HTTP to a receiver in this
+    process (tests/otlp_receiver.py), on a Valkey of its own (no turn of the other's there)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # (the repository: its tests' receiver)
+    from tests.otlp_receiver import Receiver
+
+    receiver = Receiver()
+    receiver.start()
+    (tmp / "valkey2").mkdir()
+    valkey, port = start_valkey(tmp / "valkey2", deadline)
+    valkeys.append(valkey)
+    traced = Server("traced", free_port(), tmp / "traced.log")
+    servers.append(traced)
+    env = keel_env | {"REDIS_URL": f"redis://{HOST}:{port}", "KEEL_PORT": str(traced.port)}
+    traced.start([sys.executable, "-m", "app"], server_env(env | {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url}))
+    return System(
+        traced, keel_session, lambda sid: f"/v1/sessions/{sid}/messages?wait=true", (port, valkey.pid)
+    ), receiver
+
+
 def run(args: argparse.Namespace) -> int:
     args.deadline_obj = deadline = Deadline(args.deadline)
     tmp = Path(tempfile.mkdtemp(prefix="keel-bench-"))
     valkey: subprocess.Popen[bytes] | None = None
+    extra_valkeys: list[subprocess.Popen[bytes]] = []
+    receiver: Any = None  # (--tracing: the OTLP receiver, tests/otlp_receiver.py)
     servers: list[Server] = []
     try:
         (tmp / "valkey").mkdir()
@@ -411,10 +452,18 @@ def run(args: argparse.Namespace) -> int:
             System(keel, keel_session, lambda sid: f"/v1/sessions/{sid}/messages?wait=true"),
             System(bare, bare_session, lambda sid: f"/turn/{sid}"),
         ]
+        if args.tracing:
+            traced, receiver = start_traced(tmp, deadline, keel_env, servers, extra_valkeys)
+            systems.insert(1, traced)
         with asyncio.Runner(loop_factory=new_loop) as runner:
             results = runner.run(measure(systems, (valkey_port, valkey.pid), args))
         for s in servers:
             s.check_alive()
+        if receiver is not None:
+            stop_process(servers[-1].proc)  # (its last spans exported as it stops)
+            args.spans_received = len(receiver.spans)
+            if not args.spans_received:
+                raise BenchError("tracing was on, and no span came")
         report(results, args)
         return 0
     except BenchError as exc:
@@ -424,6 +473,10 @@ def run(args: argparse.Namespace) -> int:
         for s in servers:
             stop_process(s.proc)
         stop_process(valkey)
+        for v in extra_valkeys:
+            stop_process(v)
+        if receiver is not None:
+            receiver.stop()
         shutil.rmtree(tmp, ignore_errors=True)
 
 
