@@ -31,6 +31,7 @@ from harness.events import (
     TurnFailed,
 )
 from harness.relay import Outbound, RetryPolicy, Undeliverable
+from harness.telemetry import tracing
 
 POST_TYPE = "keel_post"
 TEXT_LIMIT = 3_900  # characters of one post; a longer reply goes out as several
@@ -170,8 +171,8 @@ class SlackDestination:
             assert handle is not None
             renamed = out.body.get("as")  # the post is a reply's part from now on
             try:
-                await self._call(
-                    self.client.chat_update,
+                await self._api(
+                    "chat.update",
                     channel=channel,
                     ts=handle,
                     text=out.body["text"],
@@ -184,8 +185,8 @@ class SlackDestination:
                 # the working post was deleted: the part is posted instead
                 return await self.send(Outbound("post", renamed, {"text": out.body["text"]}), where, None)
             return handle
-        res = await self._call(
-            self.client.chat_postMessage,
+        res = await self._api(
+            "chat.postMessage",
             channel=channel,
             thread_ts=thread_ts,
             text=out.body["text"],
@@ -193,6 +194,13 @@ class SlackDestination:
             metadata=_metadata(out.ref),
         )
         return str(res["ts"])
+
+    async def _api(self, method: str, **fields: Any) -> Any:
+        """A Web API method, its fields as JSON (None ones left out, as slack_sdk's own methods
+        do), with the delivery span's `traceparent` (tracing on) among the request's headers:
+        slack_sdk's named methods take no headers."""
+        body = {k: v for k, v in fields.items() if v is not None}
+        return await self._call(self.client.api_call, api_method=method, json=body, headers=tracing.headers() or None)
 
     async def find(self, refs: list[str], where: Mapping[str, Any], since: str) -> dict[str, str]:
         thread = thread_of(where)

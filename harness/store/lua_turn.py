@@ -285,8 +285,9 @@ elseif A.mode == 'final' then
     redis.call('HSET', K.mids, m.message_id, m.turn_id .. ' ' .. rid)
     out.received[#out.received + 1] = {id = rid, seq = last_seq, body = received}
   end
-  -- (they run first, but after the messages that interrupted the turn: those run next)
-  local last = redis.call('HGET', K.meta, 'interrupts')
+  -- (they run first, but after the messages that interrupted the turn: those run next; an
+  -- interrupt cancels the turn, so only a cancelled turn has them)
+  local last = cancel and redis.call('HGET', K.meta, 'interrupts')
   local pivot = last and redis.call('LPOS', K.inbox, last) and last or nil
   for j = 1, #waiting do
     if pivot then
@@ -300,7 +301,7 @@ elseif A.mode == 'final' then
     redis.call('DEL', K.steer)
     expire_with_meta(K.inbox)
   end
-  redis.call('HDEL', K.meta, 'interrupts')
+  if last then redis.call('HDEL', K.meta, 'interrupts') end
   local left = redis.call('LLEN', K.inbox)
   redis.call('HSET', K.meta, 'turn', '', 'status', left > 0 and 'running' or 'idle', 'waiting_on', '', 'undecided', 0,
     'held', 0)

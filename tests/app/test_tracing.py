@@ -13,7 +13,13 @@ from typing import Any
 
 import httpx
 import pytest
+from redis.asyncio import Redis
 
+from harness.telemetry import tracing
+from harness.telemetry.tracing import TRACEPARENT as TRACEPARENT_RE
+from tests.channels.slack_server import BOT, SECRET, TOKEN, FakeSlack, event_body
+from tests.channels.slack_support import echo_agent, post_event, relay_done
+from tests.channels.webhook_receiver import Receiver as WebhookReceiver
 from tests.conftest import ValkeyServer, free_port
 from tests.otlp_receiver import Receiver, Span
 from tests.service import EventTail, Service, Worker
@@ -128,3 +134,39 @@ async def test_a_turn_taken_over_after_a_crash_stays_in_its_trace(
     assert resumed.attributes["keel.turn.took_over"] is True
     tool = one(await receiver.until("execute_tool hold"))  # the tool run again by the second worker
     assert tool.trace_id == CLIENT_TRACE and tool.parent_id == resumed.span_id
+
+
+@pytest.fixture
+def traced(receiver: Receiver) -> Iterator[None]:
+    """Tracing on in this process (the `serve` fixture's keel), exporting to the receiver."""
+    assert tracing.configure({"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url})
+    yield
+    tracing.shutdown()
+
+
+async def test_deliveries_carry_the_traceparent_of_their_span(
+    traced: None, serve: Any, redis: Redis, slack: FakeSlack, receiver: Receiver
+) -> None:
+    """An event webhook's delivery and Slack's posts carry the `deliver` span's traceparent."""
+    hooks = WebhookReceiver()
+    hooks.start()
+    try:
+        live = await serve(echo_agent(), webhook_allow_private=True)
+        async with live.client() as c:
+            r = await c.post("/v1/webhooks", json={"url": hooks.url("all"), "events": ["*"]})
+            hooks.expect("all", r.json()["secret"])
+            sid = (await c.post("/v1/sessions")).json()["session_id"]
+            r = await c.post(f"/v1/sessions/{sid}/messages?wait=true", json={"text": "hi"})
+            assert r.json()["status"] == "completed"
+            await relay_done(redis)
+        assert hooks.traceparents and all(TRACEPARENT_RE.match(t) for t in hooks.traceparents)
+        assert len({t.split("-")[2] for t in hooks.traceparents}) == len(hooks.traceparents)  # a span each
+    finally:
+        hooks.stop()
+    slack_live = await serve(
+        echo_agent(), slack_signing_secret=SECRET, slack_bot_token=TOKEN, slack_api_url=slack.url, lease_ms=1000
+    )
+    async with slack_live.client() as c:
+        assert (await post_event(c, event_body(f"<@{BOT}> hello", ts="1700000001.000100"))).status_code == 200
+        await slack.until(lambda s: len(s.posts("1700000001.000100")) == 1)
+    assert slack.traceparents and all(TRACEPARENT_RE.match(t) for t in slack.traceparents)

@@ -58,6 +58,7 @@ class FakeSlack:
     messages: list[Message] = field(default_factory=list)
     ephemerals: list[dict[str, Any]] = field(default_factory=list)
     calls: list[tuple[str, float]] = field(default_factory=list)
+    traceparents: list[str] = field(default_factory=list)  # the calls' traceparent headers (keel tracing)
     faults: list[Fault] = field(default_factory=list)
     delay: float = 0.0  # seconds every call takes
 
@@ -130,6 +131,8 @@ class FakeSlack:
             await asyncio.sleep(self.delay)
         with self.lock:
             self.calls.append((method, time.monotonic()))
+            if "traceparent" in request.headers:  # (keel's tracing on: each call names its span)
+                self.traceparents.append(request.headers["traceparent"])
             try:
                 if request.headers.get("authorization") != f"Bearer {TOKEN}":
                     return JSONResponse({"ok": False, "error": "invalid_auth"})

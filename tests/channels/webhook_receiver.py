@@ -46,6 +46,7 @@ class Behaviour:
 class Receiver:
     port: int = field(default_factory=free_port)
     deliveries: list[Delivery] = field(default_factory=list)
+    traceparents: list[str] = field(default_factory=list)  # the deliveries' traceparent headers (keel tracing)
     paths: dict[str, Behaviour] = field(default_factory=dict)
     invalid: int = 0  # requests whose signature did not verify
 
@@ -128,5 +129,7 @@ class Receiver:
             status, headers = 503, {"Retry-After": behaviour.busy_after}
         with self.lock:
             self.deliveries.append(Delivery(path, request.headers["webhook-id"], body, status, time.time()))
+            if "traceparent" in request.headers:  # (keel's tracing on: each delivery names its span)
+                self.traceparents.append(request.headers["traceparent"])
             self.lock.notify_all()
         return Response(status_code=status, headers=headers)
