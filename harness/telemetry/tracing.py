@@ -65,7 +65,11 @@ def configure(env: Mapping[str, str], *, service: str = "keel", redact: Any = No
         raise ImportError("OTEL_EXPORTER_OTLP_ENDPOINT is set: tracing needs pip install 'keel[otel]'") from exc
     resource = Resource.create({"service.name": env.get("OTEL_SERVICE_NAME") or service})
     provider = TracerProvider(resource=resource)  # (the sampler from OTEL_TRACES_SAMPLER)
-    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    # (the endpoint from `env`; the rest of the exporter's settings it reads from the process's)
+    traces = (
+        env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env["OTEL_EXPORTER_OTLP_ENDPOINT"].rstrip("/") + "/v1/traces"
+    )
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=traces)))
     _state.provider = provider
     _state.tracer = provider.get_tracer("keel")
     _state.content = env.get("KEEL_TRACE_CONTENT", "") == "1"

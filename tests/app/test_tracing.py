@@ -7,6 +7,7 @@ turn over keep it in the same trace; no message or tool content without KEEL_TRA
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
+from app.logs import Redactor
 from harness.telemetry import tracing
 from harness.telemetry.tracing import TRACEPARENT as TRACEPARENT_RE
 from tests.channels.slack_server import BOT, SECRET, TOKEN, FakeSlack, event_body
@@ -170,3 +172,32 @@ async def test_deliveries_carry_the_traceparent_of_their_span(
         assert (await post_event(c, event_body(f"<@{BOT}> hello", ts="1700000001.000100"))).status_code == 200
         await slack.until(lambda s: len(s.posts("1700000001.000100")) == 1)
     assert slack.traceparents and all(TRACEPARENT_RE.match(t) for t in slack.traceparents)
+
+
+async def test_content_only_with_the_setting_and_redacted(serve: Any, receiver: Receiver) -> None:
+    """KEEL_TRACE_CONTENT=1: the reply, a tool's arguments and its result are on the spans, with
+    the secrets the logs redact redacted."""
+    secret = "sk-test-0123456789abcdef"
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url, "KEEL_TRACE_CONTENT": "1"}
+    assert tracing.configure(env, redact=Redactor([secret]))
+    try:
+        live = await serve(echo_agent())
+        async with live.client() as c:
+            sid = (await c.post("/v1/sessions")).json()["session_id"]
+            r = await c.post(f"/v1/sessions/{sid}/messages?wait=true", json={"text": f"wipe {secret}"})
+            assert r.json()["status"] == "waiting"
+            (request,) = (await c.get(f"/v1/sessions/{sid}")).json()["pending"]
+            body = {"request_id": request["request_id"], "decision": "approve"}
+            async with asyncio.timeout(10), c.stream("GET", f"/v1/sessions/{sid}/events") as events:
+                assert (await c.post(f"/v1/sessions/{sid}/responses", json=body)).status_code == 202
+                async for line in events.aiter_lines():  # (until the turn, resumed, is done)
+                    if line == "event: turn.completed":
+                        break
+    finally:
+        tracing.shutdown()  # (what is left is exported)
+    tool = one(await receiver.until("execute_tool wipe"))
+    assert tool.attributes["gen_ai.tool.call.arguments"] == '{"target":"[redacted]"}'
+    assert tool.attributes["gen_ai.tool.call.result"] == "wiped [redacted]"
+    replies = [s.attributes.get("gen_ai.output.messages") for s in await receiver.until("chat ", 2)]
+    assert "done: wiped [redacted]" in replies
+    assert not any(secret in str(s.attributes) for s in receiver.spans)
