@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,6 +31,7 @@ from redis.exceptions import AskError, ClusterDownError, MovedError, NoScriptErr
 from harness.store.client import Client
 from harness.store.wire import QUIET, TIMEOUT_S, NotSent, Pool, Replicas, Wire, raised
 
+log = logging.getLogger("keel.store")
 REDIRECT_S = 10.0  # how long a call follows redirections and waits out a failover
 BACKOFF_S = (0.02, 0.05, 0.1, 0.2, 0.4, 0.5)  # waits between tries that found no owner
 
@@ -89,11 +91,20 @@ class ClusterWire:
         return (await self.script_with(sha, source, keys, args, ()))[0]
 
     async def script_with(
-        self, sha: str, source: str, keys: Sequence[Any], args: Sequence[Any], also: Sequence[Sequence[Any]]
+        self,
+        sha: str,
+        source: str,
+        keys: Sequence[Any],
+        args: Sequence[Any],
+        also: Sequence[Sequence[Any]],
+        *,
+        lazy: Sequence[Sequence[Any]] = (),
     ) -> list[Any]:
         """The script on its session's node, then (only once it has run) the commands `also`,
         which live in other slots: a job added after the write it stands for, as on one server.
-        Error replies are raised."""
+        Error replies are raised. Then `lazy`, whose loss is repaired later (an owner's list of
+        sessions): not waited for by replicas, its failures let be (a node of the list down, or
+        its replica, is no reason to refuse a message that is safe)."""
         evalsha: tuple[Any, ...] = ("EVALSHA", sha, len(keys), *keys, *args)
         batch: list[Sequence[Any]] = [evalsha]
         if self.replicas is not None:  # (the notice once WAIT had its replicas, not from the script)
@@ -110,6 +121,11 @@ class ClusterWire:
                 await self._mark(slot, self.replicas, keys, got[1:])
             break
         rest = raised(await self.call(also, durable=True)) if also else []
+        if lazy:
+            try:
+                await self.call(lazy)
+            except Exception as exc:  # (best effort: a page drops what is gone, the next activity adds it back)
+                log.warning("a lazy write after a script failed: %s", exc)
         return [reply, *rest]
 
     async def settle(self, keys: Sequence[Any]) -> None:

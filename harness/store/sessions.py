@@ -171,10 +171,10 @@ class Store:
     async def ping(self) -> None:
         await self.redis.ping()
 
-    async def _run(self, script: p.Script[R], sid: str, args: msgspec.Struct, also: Sequence[Any] = ()) -> R:
+    async def _run(self, script: p.Script[R], sid: str, args: msgspec.Struct, lazy: Sequence[Any] = ()) -> R:
         keys = script.keys(SessionKeys(sid))
-        if also:
-            raw, *_ = await self.wire.script_with(script.sha, script.source, keys, script.args(args), also)
+        if lazy:
+            raw, *_ = await self.wire.script_with(script.sha, script.source, keys, script.args(args), (), lazy=lazy)
         else:
             raw = await self.wire.script(script.sha, script.source, keys, script.args(args))
         return script.reply(raw)
@@ -228,9 +228,10 @@ class Store:
         its place in its owner's list and a relay job for each of the owner's webhooks; its
         session.created (Conflict if the id is taken)."""
         destinations = await self.hooks.targets(owner)
-        also = [*catalog.touch(owner, sid, now, self.ttl_ms), *(relay_job(sid, d) for d in destinations)]
+        also = [relay_job(sid, d) for d in destinations]
         keys = script.keys(SessionKeys(sid))
-        raw, *_ = await self.wire.script_with(script.sha, script.source, keys, script.args(args), also)
+        lazy = catalog.touch(owner, sid, now, self.ttl_ms)
+        raw, *_ = await self.wire.script_with(script.sha, script.source, keys, script.args(args), also, lazy=lazy)
         res = script.reply(raw)
         if isinstance(res, p.Exists):
             raise Conflict(f"session {sid} exists", code="session_exists")
@@ -525,9 +526,10 @@ class Store:
             await self.look(sid, owner)
         keys = script.keys(SessionKeys(sid))
         also = [self.jobs.job(sid), *(relay_job(sid, d) for d in destinations)]
-        if touch is not None:
-            also += catalog.touch(owner, sid, touch, self.ttl_ms)
-        raw, job_id, *_ = await self.wire.script_with(script.sha, script.source, keys, script.args(args), also)
+        lazy = catalog.touch(owner, sid, touch, self.ttl_ms) if touch is not None else []
+        raw, job_id, *_ = await self.wire.script_with(
+            script.sha, script.source, keys, script.args(args), also, lazy=lazy
+        )
         res = script.reply(raw)
         if isinstance(res, p.Missing):  # another owner's, or one deleted (or expired) since it was seen
             self._known.pop(sid, None)
@@ -771,7 +773,7 @@ class Store:
             ttl_ms=self.ttl_ms,
             **self._activity(sid, items, mode),
         )
-        res = await self._run(p.COMMIT, sid, args, also=self._touched(sid, args.at))
+        res = await self._run(p.COMMIT, sid, args, lazy=self._touched(sid, args.at))
         if isinstance(res, p.Stale):
             raise StaleLease(f"session {sid}: lease {fence} is no longer held (or the session is no more)")
         if failpoint is not None:

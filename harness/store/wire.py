@@ -226,20 +226,31 @@ class Wire:
         return (await self.script_with(sha, source, keys, args, ()))[0]
 
     async def script_with(
-        self, sha: str, source: str, keys: Sequence[Any], args: Sequence[Any], also: Sequence[Sequence[Any]]
+        self,
+        sha: str,
+        source: str,
+        keys: Sequence[Any],
+        args: Sequence[Any],
+        also: Sequence[Sequence[Any]],
+        *,
+        lazy: Sequence[Sequence[Any]] = (),
     ) -> list[Any]:
-        """EVALSHA and the commands `also` in one write; every reply. A Redis that does not know
-        the script (restarted, or SCRIPT FLUSH) did not run it: load it and send all again (what
-        `also` did the first time is done twice: keel's `also` is a job, harmless twice). Error
-        replies are raised."""
+        """EVALSHA and the commands `also` in one write; every reply (of the script and `also`).
+        A Redis that does not know the script (restarted, or SCRIPT FLUSH) did not run it: load
+        it and send all again (what `also` did the first time is done twice: keel's `also` is a
+        job, harmless twice). Error replies are raised. `lazy`: commands whose loss is repaired
+        later (an owner's list of sessions): here in the same write; on a cluster, not waited
+        for (`ClusterWire.script_with`)."""
+        commands = [*also, *lazy]
         if self.replicas is None:
-            return await run_script(self.pool, sha, source, [("EVALSHA", sha, len(keys), *keys, *args), *also])
+            replies = await run_script(self.pool, sha, source, [("EVALSHA", sha, len(keys), *keys, *args), *commands])
+            return replies[: len(replies) - len(lazy)]
         evalsha = ("EVALSHA", sha, len(keys), *keys, *args, *QUIET)
         sync = self.replicas.sync(keys)
-        replies = await run_script(self.pool, sha, source, [evalsha, *also, *sync])
+        replies = await run_script(self.pool, sha, source, [evalsha, *commands, *sync])
         n = len(replies) - len(sync)
         await self._mark(self.replicas, keys, replies[n:])
-        return replies[:n]
+        return replies[: n - len(lazy)]
 
     async def settle(self, keys: Sequence[Any]) -> None:
         """With replicas: show readers the session's events that a replica has (its `keys`: a

@@ -20,7 +20,7 @@ import pytest
 from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
 
-from harness.store.keys import SessionKeys
+from harness.store.keys import OwnerKeys, SessionKeys
 from tests.cluster import ValkeyCluster, started
 from tests.conftest import ON_CLUSTER, free_port
 from tests.service import Service
@@ -132,3 +132,37 @@ async def test_default_durability_goes_on_and_counts_what_it_lost(fresh_cluster:
     out = await load_through_failover(fresh_cluster, tmp_path, "primary")
     print(f"default mode: {sum(map(len, out.acked.values()))} acked, {out.refused} refused, {len(out.lost)} lost")
     assert out.lost  # what the README warns of: acknowledged, then gone with the primary
+
+
+async def test_the_owners_list_waits_for_no_replica(fresh_cluster: ValkeyCluster, tmp_path: Path) -> None:
+    """With replica durability, the owner's list of sessions (in a slot of its own) is written
+    after the message, not waited for: its node's replica cut off, a message to a session on
+    another node is still acknowledged (it was refused with 503 while the list waited for it)."""
+    cluster = fresh_cluster
+    svc = Service(
+        tmp_path,
+        free_port(),
+        REDIS_URL=cluster.url,
+        KEEL_DURABILITY="replica",
+        KEEL_AGENT="tests.crash_agent:agent",
+        KEEL_TEST_LOG=str(tmp_path / "calls.jsonl"),
+    )
+    await asyncio.to_thread(svc.start)
+    try:
+        index_node = await asyncio.to_thread(cluster.owner_of, key_slot(OwnerKeys("anon").sessions.encode()))
+        async with httpx.AsyncClient(base_url=svc.base, timeout=20) as c:
+            sids = [(await c.post("/v1/sessions")).json()["session_id"] for _ in range(12)]
+            owners = [await asyncio.to_thread(cluster.owner_of, key_slot(SessionKeys(s).meta.encode())) for s in sids]
+            sid = next(s for s, node in zip(sids, owners, strict=True) if node != index_node)
+            replica = cluster.replica_of(index_node)
+            cluster.signal(replica, signal.SIGSTOP)
+            try:
+                await asyncio.to_thread(cluster.cut_replicas, index_node)
+                r = await c.post(f"/v1/sessions/{sid}/messages?wait=true&timeout=15", json={"text": "hello"})
+                assert r.status_code == 200 and r.json()["status"] == "completed", r.text
+            finally:
+                cluster.signal(replica, signal.SIGCONT)
+            listed = (await c.get("/v1/sessions?limit=100")).json()["items"]
+            assert sid in [i["session_id"] for i in listed]
+    finally:
+        await asyncio.to_thread(svc.stop)
