@@ -4,9 +4,11 @@ An owner's sessions are listed from a sorted set of its own (`OwnerKeys`: sessio
 latest activity, in ms), kept by the writes that change a session: its creation, a message, a
 turn's end or pause (`touch`, a command that goes with the session's script, in the same round
 trip), and its deletion (`untouch`). The set is in its owner's slot, not the session's, so on a
-cluster it is written just after the session's script, not by it: the session's own meta is
-the truth, and a page reads it for every entry (title, status, metadata, preview), drops the
-entries whose session is gone (deleted, expired) and removes them from the set.
+cluster it is written just after the session's script, not by it, and waits for no replica (a
+`lazy` write: a lost one is repaired by the session's next activity, and the list's node never
+holds a message up): the session's own meta is the truth, and a page reads it for every entry
+(title, status, metadata, preview), drops the entries whose session is gone (deleted, expired)
+and removes them from the set.
 
 A page is cut by a cursor, the (activity, session id) of the last entry it gave: the next page
 holds the entries below it. An entry's activity only grows, so a walk from the first page to
