@@ -165,7 +165,13 @@ async def perform(harness: Harness, destination: str, call: Submit | Decide | Ca
                 return
             request_id = waiting[0]
         await harness.sessions.respond(
-            call.session_id, call.owner, request_id, call.decision, by=call.by, deliver_to=destination
+            call.session_id,
+            call.owner,
+            request_id,
+            call.decision,
+            by=call.by,
+            deliver_to=destination,
+            message_id=call.otherwise.message_id if call.otherwise is not None else "",
         )
     else:
         await harness.sessions.cancel(call.session_id, call.owner, call.turn_id, deliver_to=destination, once=call.once)

@@ -240,15 +240,18 @@ class Sessions:
         *,
         by: str = "",
         deliver_to: str | None = None,
+        message_id: str = "",
     ) -> Responded:
         """Answer an approval request. An answer is recorded once: the same answer again is
         accepted (and makes sure the turn resumes), a different one is a Conflict. A webhook
         channel names who answered (`by`) and has the relay told (`deliver_to`); its answer,
-        the session's job and the relay's job are then one round trip."""
+        the session's job and the relay's job are then one round trip. `message_id`: the id the
+        channel's message that answered would have as a message: recorded with the answer, so
+        that message redelivered later is not a message of its own."""
         check_session_id(sid)
         self.check_answer(request_id, decision, reason, sid)
         answer = Answer(decision, reason, by)  # type: ignore[arg-type]
-        res = await self.store.respond(sid, owner, request_id, answer, deliver_to=deliver_to)
+        res = await self.store.respond(sid, owner, request_id, answer, deliver_to=deliver_to, message_id=message_id)
         match res:
             case Recorded(runnable=runnable, job=job):
                 failpoints.reached("response.after_accept")

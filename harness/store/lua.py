@@ -164,6 +164,9 @@ redis.call('HSET', K.decisions, A.request_id, A.answer)
 expire_with_meta(K.decisions)
 local resolved = body(turn_id, A.now, A.data)
 local id = emit(A.retention, EV.InputResolved, resolved)
+if A.message_id ~= '' and redis.call('HSETNX', K.mids, A.message_id, turn_id .. ' ' .. id) == 1 then
+  expire_with_meta(K.mids)  -- (the channel's message that answered, redelivered: the same message)
+end
 local left = -1
 local waiting_on = ' ' .. (redis.call('HGET', K.meta, 'waiting_on') or '') .. ' '
 if string.find(waiting_on, ' ' .. A.request_id .. ' ', 1, true) then

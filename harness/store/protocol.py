@@ -310,6 +310,7 @@ class RespondArgs(msgspec.Struct, frozen=True):
     retention: int
     now: str
     data: str  # the input.resolved event's data (JSON)
+    message_id: str = ""  # the answering message's id, were it a message: known from now on (one answer)
 
 
 class AnswerSet(Reply, tag="ok"):
@@ -421,7 +422,7 @@ COMMIT: Script[CommitReply] = Script(lua_turn.COMMIT, _ALL, CommitReply)
 USAGE: Script[Added | Stale] = Script(lua_turn.USAGE, ("meta", "outbox"), Added | Stale)
 ATTEMPT: Script[Count] = Script(lua_turn.ATTEMPT, ("meta",), Count)
 RESPOND: Script[AnswerSet | Answered | Unknown | Missing] = Script(
-    lua.RESPOND, ("meta", "pending", "decisions", "outbox"), AnswerSet | Answered | Unknown | Missing
+    lua.RESPOND, ("meta", "pending", "decisions", "outbox", "mids"), AnswerSet | Answered | Unknown | Missing
 )
 CANCEL: Script[CancelSet | Idle | Missing] = Script(lua.CANCEL, ("meta", "inbox", "mids"), CancelSet | Idle | Missing)
 RENEW: Script[Held] = Script(lua.RENEW, ("lease",), Held)

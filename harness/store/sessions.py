@@ -582,14 +582,23 @@ class Store:
 
     @translated
     async def respond(
-        self, sid: str, owner: str, request_id: str, answer: Answer, *, deliver_to: str | None = None
+        self,
+        sid: str,
+        owner: str,
+        request_id: str,
+        answer: Answer,
+        *,
+        deliver_to: str | None = None,
+        message_id: str = "",
     ) -> Responded:
         """Record an answer. With a destination to deliver to (`deliver_to`, a webhook
         channel's, or the owner's webhooks), the session's job and a relay job for each go in
         the same round trip (a webhook channel's click is one round trip)."""
         data = _enc.encode(InputResolvedData(request_id, answer.decision, answer.reason, answer.by))
         now = repr(round(time.time(), 6))
-        args = p.RespondArgs(owner, request_id, _enc.encode(answer).decode(), self.retention, now, data.decode())
+        args = p.RespondArgs(
+            owner, request_id, _enc.encode(answer).decode(), self.retention, now, data.decode(), message_id
+        )
         destinations = [deliver_to] if deliver_to else await self.hooks.targets(owner)
         job = None
         if destinations:
