@@ -19,6 +19,7 @@ from websockets.asyncio.client import connect
 
 from harness import Agent, tool
 from harness.models import ModelReply, ModelRequest, ScriptedModel, ToolCall
+from tests.channels.test_fork import dumped
 from tests.channels.test_http import snapshot
 from tests.channels.test_websocket import frames_until
 
@@ -239,18 +240,18 @@ async def test_reject_refuses_while_a_turn_runs_or_waits_and_writes_nothing(keel
     await settled(c, sid, 1)
     await send(c, sid, "think")
     await asyncio.wait_for(g.think_began.wait(), 5)
-    before = await snapshot(redis)
+    before = await dumped(redis, sid)  # (the session's keys: the job stream moves with the runner's work)
     r = await send(c, sid, "not now", "reject")
     assert r.status_code == 409 and r.json()["error"]["code"] == "busy"
-    assert await snapshot(redis) == before
+    assert await dumped(redis, sid) == before
     g.think_go.set()
     await settled(c, sid, 2)
     r = await c.post(f"/v1/sessions/{sid}/messages?wait=true", json={"text": "wipe disk"})
     assert r.json()["status"] == "waiting"
-    before = await snapshot(redis)
+    before = await dumped(redis, sid)
     r = await send(c, sid, "not now either", "reject")
     assert r.status_code == 409 and r.json()["error"]["code"] == "busy"
-    assert await snapshot(redis) == before
+    assert await dumped(redis, sid) == before
 
 
 async def test_a_bad_policy_is_refused(keel: Any, redis: Redis) -> None:

@@ -17,10 +17,12 @@ from pathlib import Path
 
 import httpx
 import pytest
+import redis as redis_sync
 from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
 
-from harness.store.keys import OwnerKeys, SessionKeys
+from channels.auth import owner_of
+from harness.store.keys import JOBS, OwnerKeys, SessionKeys
 from tests.cluster import ValkeyCluster, started
 from tests.conftest import ON_CLUSTER, free_port
 from tests.service import Service
@@ -134,27 +136,40 @@ async def test_default_durability_goes_on_and_counts_what_it_lost(fresh_cluster:
     assert out.lost  # what the README warns of: acknowledged, then gone with the primary
 
 
+def replica_port(primary: int) -> int:
+    """The port of the replica the primary on `primary` names in its INFO replication."""
+    info = redis_sync.Redis(port=primary).info("replication")
+    return int(info["slave0"]["port"])
+
+
 async def test_the_owners_list_waits_for_no_replica(fresh_cluster: ValkeyCluster, tmp_path: Path) -> None:
     """With replica durability, the owner's list of sessions (in a slot of its own) is written
     after the message, not waited for: its node's replica cut off, a message to a session on
     another node is still acknowledged (it was refused with 503 while the list waited for it)."""
     cluster = fresh_cluster
+    jobs_node = await asyncio.to_thread(cluster.owner_of, key_slot(JOBS.encode()))
+    for n in range(64):  # an API key whose list is on another node than the turn jobs' stream
+        key = f"key-{n}"
+        index_node = await asyncio.to_thread(cluster.owner_of, key_slot(OwnerKeys(owner_of(key)).sessions.encode()))
+        if index_node != jobs_node:
+            break
     svc = Service(
         tmp_path,
         free_port(),
         REDIS_URL=cluster.url,
         KEEL_DURABILITY="replica",
+        KEEL_API_KEYS=key,
         KEEL_AGENT="tests.crash_agent:agent",
         KEEL_TEST_LOG=str(tmp_path / "calls.jsonl"),
     )
     await asyncio.to_thread(svc.start)
     try:
-        index_node = await asyncio.to_thread(cluster.owner_of, key_slot(OwnerKeys("anon").sessions.encode()))
-        async with httpx.AsyncClient(base_url=svc.base, timeout=20) as c:
+        headers = {"Authorization": f"Bearer {key}"}
+        async with httpx.AsyncClient(base_url=svc.base, timeout=20, headers=headers) as c:
             sids = [(await c.post("/v1/sessions")).json()["session_id"] for _ in range(12)]
             owners = [await asyncio.to_thread(cluster.owner_of, key_slot(SessionKeys(s).meta.encode())) for s in sids]
-            sid = next(s for s, node in zip(sids, owners, strict=True) if node != index_node)
-            replica = cluster.replica_of(index_node)
+            sid = next(s for s, node in zip(sids, owners, strict=True) if node not in (index_node, jobs_node))
+            replica = replica_port(index_node)  # (the one that replicates it, as it says)
             cluster.signal(replica, signal.SIGSTOP)
             try:
                 await asyncio.to_thread(cluster.cut_replicas, index_node)
