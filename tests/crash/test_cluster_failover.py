@@ -22,7 +22,8 @@ from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
 
 from channels.auth import owner_of
-from harness.store.keys import JOBS, OwnerKeys, SessionKeys
+from harness.store.keys import OwnerKeys, SessionKeys, job_shard, job_streams
+from harness.store.queue import CLUSTER_SHARDS
 from tests.cluster import ValkeyCluster, started
 from tests.conftest import ON_CLUSTER, free_port
 from tests.service import Service
@@ -147,12 +148,8 @@ async def test_the_owners_list_waits_for_no_replica(fresh_cluster: ValkeyCluster
     after the message, not waited for: its node's replica cut off, a message to a session on
     another node is still acknowledged (it was refused with 503 while the list waited for it)."""
     cluster = fresh_cluster
-    jobs_node = await asyncio.to_thread(cluster.owner_of, key_slot(JOBS.encode()))
-    for n in range(64):  # an API key whose list is on another node than the turn jobs' stream
-        key = f"key-{n}"
-        index_node = await asyncio.to_thread(cluster.owner_of, key_slot(OwnerKeys(owner_of(key)).sessions.encode()))
-        if index_node != jobs_node:
-            break
+    key = "key-0"
+    index_node = await asyncio.to_thread(cluster.owner_of, key_slot(OwnerKeys(owner_of(key)).sessions.encode()))
     svc = Service(
         tmp_path,
         free_port(),
@@ -166,9 +163,14 @@ async def test_the_owners_list_waits_for_no_replica(fresh_cluster: ValkeyCluster
     try:
         headers = {"Authorization": f"Bearer {key}"}
         async with httpx.AsyncClient(base_url=svc.base, timeout=20, headers=headers) as c:
-            sids = [(await c.post("/v1/sessions")).json()["session_id"] for _ in range(12)]
-            owners = [await asyncio.to_thread(cluster.owner_of, key_slot(SessionKeys(s).meta.encode())) for s in sids]
-            sid = next(s for s, node in zip(sids, owners, strict=True) if node not in (index_node, jobs_node))
+            sids = [(await c.post("/v1/sessions")).json()["session_id"] for _ in range(16)]
+
+            def nodes(sid: str) -> set[int]:  # the session's node and its turn jobs' (a shard of its own)
+                streams = job_streams(CLUSTER_SHARDS)
+                job_stream = streams[job_shard(sid, len(streams))]
+                return {cluster.owner_of(key_slot(k.encode())) for k in (SessionKeys(sid).meta, job_stream)}
+
+            sid = next(s for s in sids if index_node not in nodes(s))
             replica = replica_port(index_node)  # (the one that replicates it, as it says)
             cluster.signal(replica, signal.SIGSTOP)
             try:
