@@ -76,7 +76,7 @@ class ShardSubscriber:
         await cancel_and_wait([t for n in self._nodes.values() if (t := n.listener) is not None] + list(self._tasks))
         for node in self._nodes.values():
             with contextlib.suppress(Exception):
-                await node.pubsub.aclose()  # type: ignore[no-untyped-call]
+                await node.pubsub.aclose()
         self._nodes.clear()
 
     async def subscribe(self, channels: list[str]) -> None:
@@ -216,7 +216,7 @@ class ShardSubscriber:
         slots): a new connection, on whichever node owns each channel now."""
         self._nodes.pop(node.name, None)
         with contextlib.suppress(Exception):
-            await node.pubsub.aclose()  # type: ignore[no-untyped-call]
+            await node.pubsub.aclose()
         if self._stopped:
             return
         if isinstance(self._client, RedisCluster):
