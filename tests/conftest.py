@@ -51,17 +51,18 @@ def wait_for_port(port: int, timeout: float = 10.0) -> None:
     while time.monotonic() < deadline:
         with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.2) as c:
             c.sendall(b"PING\r\n")
-            if c.recv(16).startswith(b"+PONG"):
+            if c.recv(16).startswith((b"+PONG", b"-NOAUTH")):  # (up, or up and asking for a password)
                 return
         time.sleep(0.02)
     raise TimeoutError(f"nothing answered on port {port}")
 
 
 class ValkeyServer:
-    def __init__(self, *, fsync: str = "everysec") -> None:
+    def __init__(self, *, fsync: str = "everysec", extra: tuple[str, ...] = ()) -> None:
         self.dir = tempfile.mkdtemp(prefix="keel-test-vk-")
         self.port = free_port()
         self.fsync = fsync
+        self.extra = extra  # more of valkey-server's options
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -87,6 +88,7 @@ class ValkeyServer:
             "no",
             "--logfile",
             os.path.join(self.dir, "valkey.log"),
+            *self.extra,
         ]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_for_port(self.port)

@@ -5,7 +5,11 @@ session's own slot, and one for cancel notices that every process hears.
 
 Three kinds of message travel on a session's channel. A commit's notice, "@<event id>", is
 published by the script that commits (so it cannot be lost to a crash after the commit):
-readers elsewhere read the outbox at once instead of after a poll. Live events (`send`, batched:
+readers elsewhere read the outbox at once instead of after a poll. Only where someone hears it:
+a process with readers of a session names itself in the session's `readers` (for READERS_TTL_S,
+renewed while it has them; named once its subscription is confirmed, before its readers read),
+and a script publishes only if a process other than the writer is named there. A process's own
+readers get its commits from the hub, never back from Redis. Live events (`send`, batched:
 a burst of deltas is one message per session) are best-effort by design (the committed
 `message.completed` is the truth): one lost while Redis is away, or before a subscription is in
 place, is not resent. A process skips the live events it published itself (each message names
@@ -22,7 +26,8 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 import msgspec
 
@@ -31,11 +36,14 @@ from harness.events import LiveEvent, live_event
 from harness.store.client import Client
 from harness.store.clusterwire import AnyWire
 from harness.store.keys import CANCELS, SessionKeys, session_of
+from harness.store.protocol import READERS, ReadersArgs
 from harness.store.shardsub import ShardSubscriber
 from harness.telemetry.metrics import count_redis_error
 
 log = logging.getLogger("keel.live")
 FLUSH_WAIT_S = 1.0  # a commit waits at most this long for its deltas to be published
+READERS_TTL_S = 60.0  # a process is named as a session's reader for this long ...
+READERS_RENEW_S = 20.0  # ... renewed this often while it has readers of the session
 ENDED = b"!ended"  # a line on a session's channel: the session was deleted (no event envelope starts so)
 
 
@@ -50,6 +58,7 @@ class Bus:
         committed: Callable[[str, str], None] = lambda sid, event_id: None,
         missed: Callable[[str], None] = lambda sid: None,
         ended: Callable[[str], None] = lambda sid: None,
+        origin: str = "",
     ) -> None:
         self._wire = wire
         self._deliver = deliver  # an event another process published, for this process's readers
@@ -57,23 +66,27 @@ class Bus:
         self._committed = committed  # a commit's notice: (session, newest event id)
         self._missed = missed  # a session whose notices may have been missed
         self._ended = ended  # a session another process deleted
-        self._origin = os.urandom(8).hex().encode()
+        self._name = origin or os.urandom(8).hex()  # (the scripts' ARGV[2]: see `lua._EMIT`)
+        self._origin = self._name.encode()
         self._outgoing: list[tuple[str, bytes]] = []
         self._flusher: asyncio.Task[None] | None = None
         self._next: asyncio.Future[None] | None = None  # done when the batch being gathered is sent
         self._sending: asyncio.Future[None] | None = None  # ... the batch being sent
         self._readers: dict[str, int] = {}  # session -> readers here
-        self._sub = ShardSubscriber(redis, self._heard, self._again, self._wanted)
+        self._sub = ShardSubscriber(redis, self._heard, self._again, self._wanted, left=self._left)
         self._started = False
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._renewing: asyncio.Task[None] | None = None
 
     def start(self) -> None:
         if not self._started:
             self._started = True
             self._sub.add([CANCELS])
+            self._renewing = asyncio.create_task(self._renew(), name="keel-readers")
 
     async def stop(self) -> None:
-        await cancel_and_wait(t for t in (self._flusher,) if t is not None)
-        self._flusher = None
+        await cancel_and_wait(t for t in (self._flusher, self._renewing, *self._tasks) if t is not None)
+        self._flusher = self._renewing = None
         await self._sub.stop()
 
     # ---- out ---------------------------------------------------------------------------
@@ -164,8 +177,54 @@ class Bus:
         return channel == CANCELS or session_of(channel) in self._readers
 
     def _again(self, channel: str) -> None:
+        """The channel's subscription was confirmed (first or again): the process is named as
+        the session's reader, then its readers read what they may have missed."""
         if channel != CANCELS:
-            self._missed(session_of(channel))
+            self._spawn(self._named(session_of(channel)))
+
+    async def _named(self, sid: str) -> None:
+        try:
+            await self._name_as_reader(sid, READERS_TTL_S)
+        except Exception as exc:  # (Redis away: the readers' periodic looks still find commits)
+            count_redis_error()
+            log.warning("live events: naming this process a reader failed: %s", type(exc).__name__)
+        self._missed(sid)
+
+    def _left(self, channel: str) -> None:
+        """The channel was left (no reader here for a while): no notices for this process."""
+        if channel != CANCELS:
+            self._spawn(self._unnamed(session_of(channel)))
+
+    async def _unnamed(self, sid: str) -> None:
+        with contextlib.suppress(Exception):  # (else its name lapses after READERS_TTL_S)
+            await self._name_as_reader(sid, 0)
+
+    async def _name_as_reader(self, sid: str, ttl_s: float) -> None:
+        script = READERS
+        args = script.args(ReadersArgs(self._name, int(ttl_s * 1000)))
+        await self._wire.script(script.sha, script.source, script.keys(SessionKeys(sid)), args)
+
+    async def _renew(self) -> None:
+        """Every READERS_RENEW_S: the sessions with readers here named again."""
+        while True:
+            await asyncio.sleep(READERS_RENEW_S)
+            sids = list(self._readers)
+            for start in range(0, len(sids), 256):  # (at most 256 scripts in flight at once)
+                got = await asyncio.gather(
+                    *(self._name_as_reader(s, READERS_TTL_S) for s in sids[start : start + 256]),
+                    return_exceptions=True,
+                )
+                failed = [g for g in got if isinstance(g, Exception)]
+                if failed:
+                    count_redis_error()
+                    log.warning(
+                        "live events: renewing %d reader names failed: %s", len(failed), type(failed[0]).__name__
+                    )
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def _heard(self, channel: str, message: bytes) -> None:
         if message.startswith(b"@"):

@@ -36,11 +36,12 @@ REDIRECT_S = 10.0  # how long a call follows redirections and waits out a failov
 BACKOFF_S = (0.02, 0.05, 0.1, 0.2, 0.4, 0.5)  # waits between tries that found no owner
 
 
-def wire_for(client: Client, replicas: Replicas | None = None) -> AnyWire:
-    """The hot path for the process's client: to one server, or over a cluster."""
+def wire_for(client: Client, replicas: Replicas | None = None, origin: str = "") -> AnyWire:
+    """The hot path for the process's client: to one server, or over a cluster. `origin`: the
+    process's, given to every script (whose notices then skip a process that only hears itself)."""
     if isinstance(client, RedisCluster):
-        return ClusterWire(client, replicas=replicas)
-    return Wire(client, replicas=replicas)
+        return ClusterWire(client, replicas=replicas, origin=origin)
+    return Wire(client, replicas=replicas, origin=origin)
 
 
 def key_of(command: Sequence[Any]) -> bytes:
@@ -51,10 +52,16 @@ def key_of(command: Sequence[Any]) -> bytes:
 
 class ClusterWire:
     def __init__(
-        self, cluster: RedisCluster, *, timeout: float | None = None, replicas: Replicas | None = None
+        self,
+        cluster: RedisCluster,
+        *,
+        timeout: float | None = None,
+        replicas: Replicas | None = None,
+        origin: str = "",
     ) -> None:
         self.cluster = cluster
         self.replicas = replicas
+        self.origin = (origin,) if origin else ()  # a script's ARGV[2]: who writes (see `lua._EMIT`)
         self.timeout = timeout or TIMEOUT_S
         self._pools: dict[str, Pool] = {}
         self._ready = False
@@ -106,7 +113,7 @@ class ClusterWire:
         sessions): not waited for by replicas, its failures let be (a node of the list down, or
         its replica, is no reason to refuse a message that is safe)."""
         evalsha: tuple[Any, ...] = ("EVALSHA", sha, len(keys), *keys, *args)
-        batch: list[Sequence[Any]] = [evalsha]
+        batch: list[Sequence[Any]] = [(*evalsha, *self.origin)]
         if self.replicas is not None:  # (the notice once WAIT had its replicas, not from the script)
             batch = [(*evalsha, *QUIET), *self.replicas.sync(keys)]
         slot = key_slot(key_of(evalsha))

@@ -139,7 +139,7 @@ def _expire(waiter: asyncio.Future[bool]) -> None:
 
 
 class EventHub:
-    def __init__(self, redis: Client | None = None, wire: AnyWire | None = None) -> None:
+    def __init__(self, redis: Client | None = None, wire: AnyWire | None = None, origin: str = "") -> None:
         self._watches: dict[str, set[Watch]] = {}
         self._last: dict[str, str] = {}  # session -> the newest event id its watches were woken for
         self._writing: set[str] = set()  # sessions whose turn is being written here now
@@ -155,6 +155,7 @@ class EventHub:
                 committed=self._committed,
                 missed=self._missed,
                 ended=self._ended_here,
+                origin=origin,
             )
 
     def publish(self, sid: str, events: list[StoredEvent], *, settled: bool) -> None:

@@ -71,6 +71,7 @@ class SessionKeys:
         "mids",
         "outbox",
         "pending",
+        "readers",
         "relays",
         "sid",
         "steer",
@@ -92,6 +93,9 @@ class SessionKeys:
         self.decisions = base + "decisions"  # hash: request_id -> the answer to it
         self.relays = base + "relays"  # set: the destinations whose delivery keys (below) it has
         self.live = base + "live"  # pub/sub channel: transient events (message.delta), never stored
+        # hash: process origin -> until when (ms, server time) it has readers of the session, so
+        # a commit's script tells of it (on `live`) only if another process listens
+        self.readers = base + "readers"
 
 
 def session_of(key: str) -> str:

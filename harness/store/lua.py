@@ -56,7 +56,11 @@ end
 # ones after it are consecutive), returned so the caller can build the envelopes it committed.
 # A script that emitted publishes the newest event's id on the session's channel as it answers
 # ("@<id>", sharded pub/sub in the session's slot: `live`), so readers in other processes hear
-# of the commit at once, and a crash after the commit cannot lose the notice.
+# of the commit at once, and a crash after the commit cannot lose the notice. Only if someone
+# hears it: ARGV[2] is the writing process's origin, and a process with readers of the session
+# is named in its `readers` hash until a deadline (server time, ms); the writer's own readers
+# get its events from it, not from Redis. ARGV[2] 'quiet': the notice is sent after the
+# replicas' WAIT instead; none (or a script that does not name `readers`): always.
 # `body` is the stored tail of an envelope (harness.events.event_body), for the events whose
 # turn id only the script knows.
 _EMIT = """
@@ -70,9 +74,26 @@ local function emit(retention, etype, body)
   last_id = redis.call('XADD', K.outbox, 'MAXLEN', '~', retention, '*', 's', seq, 't', etype, 'b', body)
   return last_id
 end
+local function heard()
+  local me = ARGV[2]
+  if me == 'quiet' then return false end
+  if not me or not K.readers then return true end
+  local r = redis.call('HGETALL', K.readers)
+  local now = nil
+  for i = 1, #r, 2 do
+    if r[i] ~= me then
+      if not now then
+        local t = redis.call('TIME')
+        now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+      end
+      if tonumber(r[i + 1]) > now then return true end
+    end
+  end
+  return false
+end
 local plain_reply = reply
 reply = function(t)
-  if last_id and ARGV[2] ~= 'quiet' then redis.call('SPUBLISH', string.sub(K.meta, 1, -5) .. 'live', '@' .. last_id) end
+  if last_id and heard() then redis.call('SPUBLISH', string.sub(K.meta, 1, -5) .. 'live', '@' .. last_id) end
   return plain_reply(t)
 end
 local function body(turn_id, at, data_json)
@@ -80,8 +101,8 @@ local function body(turn_id, at, data_json)
 end
 """
 
-# The session's expiry: every key of a session but its lease (which has its own) expires at the
-# same moment. `keep`, in a script that names every key of the session (CREATE, SUBMIT, a
+# The session's expiry: every key of a session but its lease and its readers (which have their
+# own) expires at the same moment. `keep`, in a script that names every key of the session (CREATE, SUBMIT, a
 # COMMIT that ends or pauses a turn), sets them all to expire `ttl_ms` from now (0: never);
 # within one script the server's clock stands still, so they get the very same deadline. It
 # does so at most every hundredth of the TTL (an hour at most): a deadline fresher than that is
@@ -95,7 +116,7 @@ local function keep(ttl_ms)
   if ttl_ms > 0 and left > ttl_ms - math.min(ttl_ms / 100, 3600000) then return end
   if ttl_ms <= 0 and left == -1 then return end
   for name, key in pairs(K) do
-    if name ~= 'lease' then
+    if name ~= 'lease' and name ~= 'readers' then
       if ttl_ms > 0 then redis.call('PEXPIRE', key, ttl_ms) else redis.call('PERSIST', key) end
     end
   end
@@ -284,6 +305,22 @@ if A.metadata then
 end
 if A.title then redis.call('HSET', K.meta, 'title', A.title) end
 return reply({tag = 'ok'})
+"""
+)
+
+# A process has readers of the session: its origin named in `readers` for `ttl_ms` from now
+# (server time), the key kept as long, or as long as the session if it expires sooner; `ttl_ms`
+# 0: it has none any more. Not for a session that is no more (nothing of it is made again).
+READERS = (
+    _COMMON
+    + """
+if A.ttl_ms <= 0 then return reply({n = redis.call('HDEL', K.readers, A.origin)}) end
+if redis.call('EXISTS', K.meta) == 0 then return reply({n = 0}) end
+local t = redis.call('TIME')
+redis.call('HSET', K.readers, A.origin, tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + A.ttl_ms)
+local left = redis.call('PTTL', K.meta)
+redis.call('PEXPIRE', K.readers, (left > 0 and left < A.ttl_ms) and left or A.ttl_ms)
+return reply({n = 1})
 """
 )
 

@@ -355,6 +355,11 @@ class Count(msgspec.Struct, frozen=True):
     n: int
 
 
+class ReadersArgs(msgspec.Struct, frozen=True):
+    origin: str  # the process that has (or no longer has) readers of the session
+    ttl_ms: int  # named for this long (0: no longer)
+
+
 # ---- FORK --------------------------------------------------------------------------------
 
 
@@ -409,20 +414,20 @@ class Deleted(Reply, tag="ok"):
     turn_id: str  # the turn that was in progress ("" if none)
 
 
-_SESSION = ("meta", "inbox", "lease", "history", "sticky", "outbox", "decisions")
+_SESSION = ("meta", "inbox", "lease", "history", "sticky", "outbox", "decisions", "readers")
 # Every key of a session (`keep` in a script that names them all gives them one expiry).
 _ALL = (*_SESSION, "pending", "mids", "relays", "steer")
-CREATE: Script[Added | Exists] = Script(lua.CREATE, ("meta", "outbox"), Added | Exists)
+CREATE: Script[Added | Exists] = Script(lua.CREATE, ("meta", "outbox", "readers"), Added | Exists)
 ENQUEUE: Script[Done | Full | Missing] = Script(lua.ENQUEUE, ("meta", "inbox"), Done | Full | Missing)
 BEGIN: Script[BeginReply] = Script(lua_turn.BEGIN, _SESSION, BeginReply)
 SUBMIT: Script[New | Duplicate | Full | Rejected | Missing] = Script(
     lua_turn.SUBMIT, _ALL, New | Duplicate | Full | Rejected | Missing
 )
 COMMIT: Script[CommitReply] = Script(lua_turn.COMMIT, _ALL, CommitReply)
-USAGE: Script[Added | Stale] = Script(lua_turn.USAGE, ("meta", "outbox"), Added | Stale)
+USAGE: Script[Added | Stale] = Script(lua_turn.USAGE, ("meta", "outbox", "readers"), Added | Stale)
 ATTEMPT: Script[Count] = Script(lua_turn.ATTEMPT, ("meta",), Count)
 RESPOND: Script[AnswerSet | Answered | Unknown | Missing] = Script(
-    lua.RESPOND, ("meta", "pending", "decisions", "outbox", "mids"), AnswerSet | Answered | Unknown | Missing
+    lua.RESPOND, ("meta", "pending", "decisions", "outbox", "mids", "readers"), AnswerSet | Answered | Unknown | Missing
 )
 CANCEL: Script[CancelSet | Idle | Missing] = Script(lua.CANCEL, ("meta", "inbox", "mids"), CancelSet | Idle | Missing)
 RENEW: Script[Held] = Script(lua.RENEW, ("lease",), Held)
@@ -431,7 +436,8 @@ RELEASE: Script[Held] = Script(lua.RELEASE, ("lease", "meta"), Held)
 DELETE: Script[Deleted | Changed | Missing] = Script(lua.DELETE, _ALL, Deleted | Changed | Missing)
 UPDATE: Script[Done | Changed | Missing] = Script(lua.UPDATE, ("meta",), Done | Changed | Missing)
 FORK_READ: Script[Source | Missing] = Script(lua.FORK_READ, ("meta", "history", "mids", "inbox"), Source | Missing)
-FORK: Script[Added | Exists] = Script(lua.FORK, ("meta", "outbox", "history", "mids"), Added | Exists)
+FORK: Script[Added | Exists] = Script(lua.FORK, ("meta", "outbox", "history", "mids", "readers"), Added | Exists)
+READERS: Script[Count] = Script(lua.READERS, ("readers", "meta"), Count)
 SCRIPTS: tuple[Script[object], ...] = (
     CREATE,
     ENQUEUE,
@@ -448,4 +454,5 @@ SCRIPTS: tuple[Script[object], ...] = (
     UPDATE,
     FORK_READ,
     FORK,
+    READERS,
 )

@@ -126,9 +126,11 @@ class Store:
     ) -> None:
         self.redis = redis
         # every script goes this way; with `replicas`, each waits for that many (KEEL_DURABILITY)
-        self.wire = wire_for(redis, Replicas(replicas, replica_wait_ms) if replicas else None)
+        # (this process's name to the others: its scripts' notices skip it, its live events too)
+        self.origin = os.urandom(8).hex()
+        self.wire = wire_for(redis, Replicas(replicas, replica_wait_ms) if replicas else None, self.origin)
         self.jobs = JobShards(redis, job_shards)
-        self.hub = EventHub(redis, self.wire)
+        self.hub = EventHub(redis, self.wire, self.origin)
         self.outbox = Outbox(redis, self.wire, self.hub)
         self.hooks = Subscriptions(redis)
         self.deliveries = Deliveries(redis, self.wire)

@@ -58,8 +58,11 @@ class ShardSubscriber:
         on_message: Callable[[str, bytes], None],
         resubscribed: Callable[[str], None],
         wanted: Callable[[str], bool],
+        *,
+        left: Callable[[str], None] = lambda channel: None,
     ) -> None:
         self._client = client
+        self._left = left  # a channel left (no reader wanted it for LINGER_S)
         self._on_message = on_message
         self._resubscribed = resubscribed  # a channel confirmed again: messages may have been missed
         self._wanted = wanted  # whether a channel dropped meanwhile is still wanted (then kept)
@@ -197,7 +200,7 @@ class ShardSubscriber:
         if not self._dropped:
             return
         now = asyncio.get_running_loop().time()
-        old = [c for c in node.channels if now - self._dropped.get(c, now) >= LINGER_S]
+        old = [c for c, at in self._dropped.items() if now - at >= LINGER_S and c in node.channels]
         for channel in old:
             self._dropped.pop(channel, None)
         gone = [c for c in old if not self._wanted(c)]
@@ -210,6 +213,8 @@ class ShardSubscriber:
             self._confirmed.discard(channel)
         async with node.lock:
             await node.pubsub.sunsubscribe(*gone)
+        for channel in gone:
+            self._left(channel)
 
     async def _lost(self, node: _Node) -> None:
         """The node's connection failed (Redis restarted, the node died and a replica took its

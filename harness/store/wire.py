@@ -17,10 +17,11 @@ from typing import Any
 
 from redis.asyncio import Redis
 from redis.asyncio.connection import AbstractConnection
-from redis.exceptions import ConnectionError, NoScriptError, RedisError, ResponseError
+from redis.exceptions import ConnectionError, NoScriptError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeout
 from redis.maint_notifications import MaintNotificationsConfig
 
+from harness.store.link import ClientLink, Link, open_resp, pack, speaks
 from harness.store.streamids import LUA_NEWER
 
 TIMEOUT_S = 5.0  # a whole call, by default (redis-py's default socket timeout is 5 s per read)
@@ -34,10 +35,9 @@ class NotSent(ConnectionError):
 
 
 class Pool:
-    """Connections to one Redis node, of its own: made from the client's settings with no
-    socket timeout, reused last-in first-out; one that shows data or end-of-file while idle
-    (Redis restarted, say) is replaced before use, as redis-py's pool does. At most `limit`
-    open at once."""
+    """Links to one Redis node, of its own (`link`): made from the client's settings, reused
+    last-in first-out; one that showed data or end-of-file while idle (Redis restarted, say) is
+    replaced before use. At most `limit` open at once."""
 
     def __init__(self, make: type[AbstractConnection], kwargs: dict[str, Any], limit: int, timeout: float) -> None:
         self.timeout = timeout
@@ -48,73 +48,58 @@ class Pool:
             "maint_notifications_config": MaintNotificationsConfig(enabled=False),
         }
         self._make = make
+        self._resp = speaks(make, kwargs)  # (else redis-py's connection carries the calls)
         self._max = limit
-        self._idle: list[AbstractConnection] = []
+        self._idle: list[Link] = []
         self._in_use = 0
         self._closed = False
 
     async def close(self) -> None:
-        """Close the idle connections; one still in use is closed when its call ends."""
+        """Close the idle links; one still in use is closed when its call ends."""
         self._closed = True
         idle, self._idle = self._idle, []
-        for conn in idle:
-            await conn.disconnect()
+        for link in idle:
+            await link.close()
 
-    async def _acquire(self) -> AbstractConnection:
+    async def _acquire(self) -> Link:
         while self._idle:
-            conn = self._idle.pop()
-            try:
-                if not await conn.can_read():
-                    return conn
-            except ConnectionError:
-                pass
-            await conn.disconnect()
+            link = self._idle.pop()
+            if await link.usable():
+                return link
+            await link.close()
         if self._in_use >= self._max:
             raise ConnectionError(f"too many Redis connections in use ({self._max})")
-        return self._make(**self._kwargs)
-
-    async def _release(self, conn: AbstractConnection) -> None:
-        if conn.is_connected and len(self._idle) < IDLE_MAX and not self._closed:
-            self._idle.append(conn)
-        else:
-            await conn.disconnect()
+        try:
+            if self._resp:
+                return await open_resp(self._kwargs)
+            conn = self._make(**self._kwargs)
+            await conn.connect()  # type: ignore[no-untyped-call]
+            return ClientLink(conn)
+        except (ConnectionError, RedisTimeout, OSError, TimeoutError) as exc:
+            raise NotSent(f"cannot connect to Redis: {exc}") from exc
 
     async def call(self, commands: Sequence[Sequence[Any]]) -> list[Any]:
-        """Send `commands` in one write on a pooled connection and read all their replies, as a
+        """Send `commands` in one write on a pooled link and read all their replies, as a
         pipeline without a transaction does. An error reply comes back in its place as the
-        exception, not raised. A connection that cannot be made raises `NotSent`; anything else
-        that goes wrong (a connection error, the deadline, a cancellation) drops the connection,
-        whose replies may be unread, and is raised: the commands may have run."""
-        conn = await self._acquire()
+        exception, not raised. A link that cannot be made raises `NotSent`; anything else that
+        goes wrong (a connection error, the deadline, a cancellation) drops the link, whose
+        replies may be unread, and is raised: the commands may have run."""
+        link = await self._acquire()
         self._in_use += 1
         try:
-            async with asyncio.timeout(self.timeout):
-                if not conn.is_connected:
-                    try:
-                        await conn.connect()  # type: ignore[no-untyped-call]
-                    except (ConnectionError, RedisTimeout, OSError) as exc:
-                        raise NotSent(f"cannot connect to Redis: {exc}") from exc
-                # (liveness is checked when a connection is taken from the pool, not by PING)
-                await conn.send_packed_command(pack(commands), check_health=False)
-                replies: list[Any] = []
-                for _ in commands:
-                    try:
-                        replies.append(await conn.read_response())
-                    except ResponseError as exc:
-                        replies.append(exc)
-            return replies
+            deadline = asyncio.get_running_loop().time() + self.timeout
+            return await link.call(pack(commands), len(commands), deadline)
         except TimeoutError:
-            await conn.disconnect(nowait=True)
             raise RedisTimeout(f"no reply from Redis within {self.timeout:g}s") from None
-        except BaseException:
-            await conn.disconnect(nowait=True)
-            raise
         finally:
             self._in_use -= 1
-            await self._release(conn)
+            if link.reusable and len(self._idle) < IDLE_MAX and not self._closed:
+                self._idle.append(link)
+            else:
+                await link.close()
 
 
-QUIET = ("quiet",)  # a script's last argument: publish no commit notice (`Replicas` sends it)
+QUIET = ("quiet",)  # a script's ARGV[2]: publish no commit notice (`Replicas` sends it)
 REPLICATED = "replicated"  # the meta field: the newest event a replica is known to have
 
 # Run after a script, before its WAIT (KEYS: the session's meta and outbox): the newest event
@@ -206,10 +191,13 @@ def _meta_and_outbox(keys: Sequence[Any]) -> tuple[Any, Any] | tuple[()]:
 class Wire:
     """The hot path to one Redis server: a `Pool` made from the client's settings."""
 
-    def __init__(self, redis: Redis, *, timeout: float | None = None, replicas: Replicas | None = None) -> None:
+    def __init__(
+        self, redis: Redis, *, timeout: float | None = None, replicas: Replicas | None = None, origin: str = ""
+    ) -> None:
         main = redis.connection_pool
         self.redis = redis
         self.replicas = replicas
+        self.origin = (origin,) if origin else ()  # a script's ARGV[2]: who writes (see `lua._EMIT`)
         # a whole call's deadline: the one given, else a socket_timeout from the Redis URL
         self.timeout = timeout or main.connection_kwargs.get("socket_timeout") or TIMEOUT_S
         self.pool = Pool(main.connection_class, main.connection_kwargs, main.max_connections, self.timeout)
@@ -243,7 +231,8 @@ class Wire:
         for (`ClusterWire.script_with`)."""
         commands = [*also, *lazy]
         if self.replicas is None:
-            replies = await run_script(self.pool, sha, source, [("EVALSHA", sha, len(keys), *keys, *args), *commands])
+            evalsha = ("EVALSHA", sha, len(keys), *keys, *args, *self.origin)
+            replies = await run_script(self.pool, sha, source, [evalsha, *commands])
             return replies[: len(replies) - len(lazy)]
         evalsha = ("EVALSHA", sha, len(keys), *keys, *args, *QUIET)
         sync = self.replicas.sync(keys)
@@ -275,25 +264,3 @@ async def run_script(pool: Pool, sha: str, source: str, commands: list[Sequence[
             continue
         return list(raised(replies))
     raise AssertionError("unreachable")
-
-
-def pack(commands: Sequence[Sequence[Any]]) -> bytes:
-    """`commands` in the Redis protocol (RESP2 arrays of bulk strings), as redis-py packs them:
-    bytes as they are, str as UTF-8, int and float by repr."""
-    out: list[bytes] = []
-    for command in commands:
-        out.append(b"*%d\r\n" % len(command))
-        for value in command:
-            arg = _arg(value)
-            out += (b"$%d\r\n" % len(arg), arg, b"\r\n")
-    return b"".join(out)
-
-
-def _arg(value: Any) -> bytes:
-    if isinstance(value, bytes):
-        return value
-    if isinstance(value, str):
-        return value.encode()
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        return repr(value).encode()
-    raise TypeError(f"cannot send a {type(value).__name__} to Redis")

@@ -11,9 +11,9 @@ async def keys_of(redis: Redis, sid: str) -> set[str]:
 
 
 async def deadlines(redis: Redis, sid: str) -> dict[str, int]:
-    """Each key of the session (but the lease) and when it expires (ms since the epoch; -1:
-    never), read at one moment (a transaction)."""
-    keys = sorted(k for k in await keys_of(redis, sid) if not k.endswith(":lease"))
+    """Each key of the session (but the lease and the readers, which have deadlines of their
+    own) and when it expires (ms since the epoch; -1: never), read at one moment (a transaction)."""
+    keys = sorted(k for k in await keys_of(redis, sid) if not k.endswith((":lease", ":readers")))
     async with redis.pipeline(transaction=True) as pipe:
         for k in keys:
             pipe.pexpiretime(k)

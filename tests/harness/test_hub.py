@@ -10,6 +10,20 @@ from typing import Any
 from harness import Agent
 from harness.events import StoredEvent
 from harness.models import ModelReply, ScriptedModel
+from harness.store.keys import SessionKeys
+from tests.channels.slack_support import eventually
+
+
+async def types_until_turn_completed(reader: Any) -> list[str]:
+    """The types of the committed events a tail gives, up to the next turn.completed (within
+    5 s: well before its heartbeat)."""
+    seen: list[str] = []
+    async with asyncio.timeout(5):
+        while not seen or seen[-1] != "turn.completed":
+            event = await anext(reader)
+            if isinstance(event, StoredEvent):
+                seen.append(event.type)
+    return seen
 
 
 async def test_a_reader_gets_a_turn_run_elsewhere_though_its_own_event_came_with_the_notice(
@@ -31,12 +45,59 @@ async def test_a_reader_gets_a_turn_run_elsewhere_though_its_own_event_came_with
         # to it, and the notices of the worker's commits arrive (they woke this waiter too).
         turn = await web.sessions.submit_and_wait(sid, "anon", "hello", context=None, message_id=None, timeout=10)
         assert turn.status == "completed"
-        seen: list[str] = []
-        async with asyncio.timeout(5):
-            while not seen or seen[-1] != "turn.completed":
-                event = await anext(reader)
-                if isinstance(event, StoredEvent):
-                    seen.append(event.type)
+        seen = await types_until_turn_completed(reader)
         assert seen[0] == "message.received" and seen[-1] == "turn.completed"
+    finally:
+        await reader.aclose()  # type: ignore[attr-defined]
+
+
+async def spied(redis: Any, channel: str, turn: Any) -> list[bytes]:
+    """What is published on `channel` while `turn()` runs: the messages heard before a marker
+    the test publishes after it (pub/sub keeps a publisher's order, so nothing is left out)."""
+    spy = redis.pubsub()
+    await spy.ssubscribe(channel)
+    try:
+        async with asyncio.timeout(5):  # (the confirmation)
+            while (await spy.get_message(timeout=1)) is None:
+                pass
+        await turn()
+        await redis.execute_command("SPUBLISH", channel, b"marker")
+        heard: list[bytes] = []
+        async with asyncio.timeout(5):
+            while not heard or heard[-1] != b"marker":
+                message = await spy.get_message(timeout=1)
+                if message is not None and message["type"] == "smessage":
+                    heard.append(message["data"])
+        return heard[:-1]
+    finally:
+        await spy.aclose()
+
+
+async def test_commit_notices_are_published_only_for_readers_in_another_process(make_harness: Any, redis: Any) -> None:
+    """A process whose readers only hear its own commits gets them from its hub: its scripts
+    publish no notice (nor does it hear and parse them back). Once another process has a reader
+    of the session, the same turns' notices reach it, and its reader gets them at once (not at
+    its heartbeat, 60 s here)."""
+    agent = Agent(instructions="t", model=ScriptedModel(lambda r: ModelReply(text="hi")))
+    worker = await make_harness(agent)
+    sid = await worker.sessions.create("anon")
+    channel = SessionKeys(sid).live
+
+    async def turn() -> None:
+        res = await worker.sessions.submit_and_wait(sid, "anon", "hello", context=None, message_id=None, timeout=10)
+        assert res.status == "completed"
+
+    assert await spied(redis, channel, turn) == []  # its own waiter only: nobody else to tell
+
+    web = await make_harness(agent, run_turns=False)
+    reader = web.sessions.tail(sid, "0", heartbeat=60.0)
+    try:
+        while (await anext(reader)).type != "turn.completed":  # the first turn's events, read
+            pass
+        await eventually(lambda: redis.hexists(SessionKeys(sid).readers, web.store.origin), 5)
+        heard = await spied(redis, channel, turn)
+        assert heard and all(m.startswith(b"@") for m in heard), heard  # the commits' notices
+        seen = await types_until_turn_completed(reader)
+        assert seen[0] == "message.received"
     finally:
         await reader.aclose()  # type: ignore[attr-defined]

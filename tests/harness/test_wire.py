@@ -1,17 +1,21 @@
-"""The store's direct command path (harness/store/wire.py): every reply read, in order, and a call cut
-short never leaves its connection, with a reply still to come, in the pool."""
+"""The store's direct command path (harness/store/wire.py and its links, link.py): every reply
+read, in order; a call cut short never leaves its connection, with a reply still to come, in the
+pool; a URL's password and db are spoken on TCP and on a Unix socket; a link Redis closed while
+it was idle is not used again."""
 
 from __future__ import annotations
 
 import asyncio
 from typing import Any
+from unittest.mock import ANY
 
 import pytest
 from redis.asyncio import Redis
+from redis.asyncio.connection import Connection
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeout
 
-from harness.store.wire import Wire, pack
+from harness.store.wire import NotSent, Wire, pack
 
 
 async def test_error_replies_come_back_in_place_and_the_rest_are_read(redis: Redis) -> None:
@@ -86,5 +90,70 @@ async def test_the_deadline_follows_a_socket_timeout_in_the_redis_url(valkey: An
     async with asyncio.timeout(4):  # well before the 5 s default
         with pytest.raises(RedisTimeout):
             await wire.call([("BLPOP", "never", 10)])
+    await wire.close()
+    await client.aclose()
+
+
+@pytest.fixture
+def guarded() -> Any:
+    """A Valkey of its own that asks for a password, on a port and on a Unix socket."""
+    from tests.conftest import ValkeyServer
+
+    server = ValkeyServer()
+    server.extra = ("--requirepass", "s3cret", "--unixsocket", f"{server.dir}/vk.sock", "--unixsocketperm", "700")
+    server.start()
+    yield server
+    server.remove()
+
+
+@pytest.mark.parametrize("where", ["tcp", "unix"])
+async def test_a_url_s_password_and_db_are_what_the_wire_speaks_with(guarded: Any, where: str) -> None:
+    url = f"redis://:s3cret@127.0.0.1:{guarded.port}/3"
+    if where == "unix":
+        url = f"unix://:s3cret@{guarded.dir}/vk.sock?db=3"
+    client = Redis.from_url(url)
+    wire = Wire(client)
+    assert wire.pool._resp  # (its own links, not redis-py's connections)
+    assert await wire.call([("SET", "where", where), ("CLIENT", "INFO")]) == [b"OK", ANY]
+    assert await client.get("where") == where.encode()  # in db 3, where the client looks
+    other = Redis.from_url(url.replace("/3", "/0").replace("db=3", "db=0"))
+    assert await other.get("where") is None  # (not in db 0)
+    await other.aclose()
+    await wire.close()
+    await client.aclose()
+
+
+async def test_a_wrong_password_is_a_connection_refused_with_redis_s_reason(guarded: Any) -> None:
+    client = Redis.from_url(f"redis://:wrong@127.0.0.1:{guarded.port}")
+    wire = Wire(client)
+    with pytest.raises(NotSent, match=r"WRONGPASS|invalid"):
+        await wire.call([("PING",)])
+    await wire.close()
+    await client.aclose()
+
+
+async def test_a_link_whose_connection_went_while_idle_is_not_used_again(redis: Redis) -> None:
+    wire = Wire(redis)
+    assert await wire.call([("CLIENT", "SETNAME", "keel-wire"), ("PING",)]) == [b"OK", b"PONG"]
+    (mine,) = [c["id"] for c in await redis.client_list() if c["name"] == "keel-wire"]
+    assert await redis.client_kill_filter(_id=mine) == 1  # (the wire's link, idle now)
+    async with asyncio.timeout(5):  # (its end-of-file comes to the idle link soon)
+        while all(link.reusable for link in wire.pool._idle):  # noqa: ASYNC110 (no event for it)
+            await asyncio.sleep(0.01)
+    assert await wire.call([("PING",)]) == [b"PONG"]  # on a new link
+    await wire.close()
+
+
+class TracedConnection(Connection):
+    """A connection class of the caller's (as a TLS URL or a credential provider makes)."""
+
+
+async def test_a_connection_the_link_does_not_speak_goes_through_redis_py(valkey: Any) -> None:
+    client = Redis.from_url(valkey.url, connection_class=TracedConnection)
+    wire = Wire(client)
+    assert not wire.pool._resp
+    replies = await wire.call([("SET", "t", "1"), ("LPUSH", "t", "x"), ("INCR", "t")])
+    assert replies[0] == b"OK" and isinstance(replies[1], ResponseError) and replies[2] == 2
+    assert await wire.call([("GET", "t")]) == [b"2"]  # the same connection, in step
     await wire.close()
     await client.aclose()

@@ -1,0 +1,243 @@
+"""A link to one Redis node: one connection, one call at a time, replies parsed by hiredis.
+
+The wire's pools hold links. `RespLink` is an asyncio protocol of its own: the commands of a
+call go out in one write, and hiredis parses the replies as the bytes arrive, with no stream
+reader, no per-reply coroutine and no timer per read; a call's deadline is one timer. It
+speaks to a node over TCP or a Unix socket, with AUTH and SELECT as the client's URL asks.
+For what it does not speak (TLS, a credential provider, RESP3, a connection class of the
+caller's) a pool uses `ClientLink`, the same calls over redis-py's own connection.
+
+Error replies come back in their place as redis-py's exceptions (NOSCRIPT as NoScriptError,
+a cluster's MOVED, ASK, TRYAGAIN and CLUSTERDOWN as theirs), never raised: a caller looks at
+each reply. A link that shows data or end-of-file while idle (Redis restarted, say) is not
+reused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, cast
+
+import hiredis
+from redis.asyncio.connection import AbstractConnection, Connection, UnixDomainSocketConnection
+from redis.exceptions import (
+    AskError,
+    ClusterDownError,
+    ConnectionError,
+    MovedError,
+    NoScriptError,
+    ResponseError,
+    TryAgainError,
+)
+
+# (error replies redis-py turns into classes of their own, by their first word)
+_ERRORS: dict[str, Callable[[str], ResponseError]] = {
+    "NOSCRIPT": NoScriptError,
+    "MOVED": MovedError,
+    "ASK": AskError,
+    "TRYAGAIN": TryAgainError,
+    "CLUSTERDOWN": ClusterDownError,
+}
+
+
+class _Reply(Exception):
+    """An error reply as hiredis hands it over (then made the exception redis-py would give)."""
+
+
+def error_of(message: str) -> ResponseError:
+    code, _, rest = message.partition(" ")
+    made = _ERRORS.get(code)
+    return made(rest) if made is not None else ResponseError(message)
+
+
+class Link(Protocol):
+    """What a pool holds: `RespLink` or `ClientLink`."""
+
+    @property
+    def reusable(self) -> bool: ...
+
+    async def usable(self) -> bool: ...
+
+    async def call(self, data: bytes, count: int, deadline: float) -> list[Any]: ...
+
+    async def close(self) -> None: ...
+
+
+class RespLink(asyncio.Protocol):
+    def __init__(self) -> None:
+        self._reader = hiredis.Reader(replyError=_Reply)
+        self._transport: asyncio.Transport | None = None
+        self._replies: list[Any] = []
+        self._expect = 0
+        self._waiter: asyncio.Future[list[Any]] | None = None
+        self._broken = False  # data while idle, end-of-file, a failed or cut call: not reused
+
+    # ---- the protocol --------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = cast(asyncio.Transport, transport)  # (uvloop's is not a subclass)
+
+    def data_received(self, data: bytes) -> None:
+        waiter = self._waiter
+        if waiter is None:  # (nothing asked: a link that speaks out of turn is done)
+            self._broken = True
+            return
+        self._reader.feed(data)
+        replies = self._replies
+        while (reply := self._reader.gets()) is not False:
+            replies.append(error_of(str(reply)) if isinstance(reply, _Reply) else reply)
+        if len(replies) >= self._expect and not waiter.done():
+            waiter.set_result(replies)
+
+    def eof_received(self) -> bool:
+        self._broken = True
+        return False  # (the transport closes: connection_lost)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._broken = True
+        self._transport = None
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(ConnectionError(f"Redis closed the connection: {exc or 'end of file'}"))
+
+    # ---- the link ------------------------------------------------------------------------
+
+    @property
+    def reusable(self) -> bool:
+        return not self._broken and self._transport is not None
+
+    async def usable(self) -> bool:
+        """Whether it may be used again (taken from a pool: nothing came while it was idle)."""
+        return self.reusable
+
+    async def call(self, data: bytes, count: int, deadline: float) -> list[Any]:
+        """Write `data` (`count` commands), and the replies once all have come; TimeoutError
+        at `deadline` (loop time). Anything but the replies leaves the link broken."""
+        transport = self._transport
+        if transport is None or self._broken:
+            raise ConnectionError("the connection to Redis is closed")
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[list[Any]] = loop.create_future()
+        self._waiter = waiter
+        self._replies = []
+        self._expect = count
+        timer = loop.call_at(deadline, _expire, waiter)
+        try:
+            transport.write(data)
+            replies: list[Any] = await waiter
+            return replies
+        except BaseException:
+            self._broken = True
+            transport.abort()
+            raise
+        finally:
+            timer.cancel()
+            self._waiter = None
+
+    async def close(self) -> None:
+        self._broken = True
+        if self._transport is not None:
+            self._transport.abort()
+
+
+def _expire(waiter: asyncio.Future[list[Any]]) -> None:
+    if not waiter.done():
+        waiter.set_exception(TimeoutError())
+
+
+async def open_resp(kwargs: dict[str, Any]) -> RespLink:
+    """A link made as the client's settings say (host and port, or a Unix socket `path`; a
+    password and username; a db), connected and handshaken. OSError if it cannot be made."""
+    loop = asyncio.get_running_loop()
+    connect_s = kwargs.get("socket_connect_timeout") or 5.0
+    async with asyncio.timeout(connect_s):
+        if kwargs.get("path"):
+            _, link = await loop.create_unix_connection(RespLink, kwargs["path"])
+        else:
+            _, link = await loop.create_connection(RespLink, kwargs.get("host", "localhost"), kwargs.get("port", 6379))
+        try:
+            hello: list[tuple[Any, ...]] = []
+            if kwargs.get("password"):
+                user = kwargs.get("username")
+                hello.append(("AUTH", user, kwargs["password"]) if user else ("AUTH", kwargs["password"]))
+            if kwargs.get("db"):
+                hello.append(("SELECT", kwargs["db"]))
+            if kwargs.get("client_name"):
+                hello.append(("CLIENT", "SETNAME", kwargs["client_name"]))
+            if hello:
+                for reply in await link.call(pack(hello), len(hello), loop.time() + connect_s):
+                    if isinstance(reply, Exception):
+                        raise ConnectionError(f"Redis refused the connection: {reply}")
+        except BaseException:
+            await link.close()
+            raise
+    return link
+
+
+def speaks(make: type[AbstractConnection], kwargs: dict[str, Any]) -> bool:
+    """Whether a `RespLink` can stand in for the client's connections: plain TCP or a Unix
+    socket, RESP2, no credential provider."""
+    plain = make in (Connection, UnixDomainSocketConnection)
+    return plain and not kwargs.get("credential_provider") and kwargs.get("protocol") in (None, 2, "2")
+
+
+class ClientLink:
+    """A link over redis-py's connection, for what `RespLink` does not speak (TLS, say)."""
+
+    def __init__(self, conn: AbstractConnection) -> None:
+        self._conn = conn
+        self._broken = False
+
+    @property
+    def reusable(self) -> bool:
+        return not self._broken and self._conn.is_connected
+
+    async def usable(self) -> bool:
+        """Whether it may be used again (taken from a pool: nothing to read while it was idle)."""
+        try:
+            return self.reusable and not await self._conn.can_read()
+        except ConnectionError:
+            return False
+
+    async def call(self, data: bytes, count: int, deadline: float) -> list[Any]:
+        try:
+            async with asyncio.timeout_at(deadline):
+                await self._conn.send_packed_command(data, check_health=False)
+                replies: list[Any] = []
+                for _ in range(count):
+                    try:
+                        replies.append(await self._conn.read_response())
+                    except ResponseError as exc:
+                        replies.append(exc)
+                return replies
+        except BaseException:
+            self._broken = True
+            await self._conn.disconnect(nowait=True)
+            raise
+
+    async def close(self) -> None:
+        self._broken = True
+        await self._conn.disconnect(nowait=True)
+
+
+def pack(commands: Sequence[Sequence[Any]]) -> bytes:
+    """`commands` in the Redis protocol (RESP2 arrays of bulk strings), as redis-py packs them:
+    bytes as they are, str as UTF-8, int and float by repr."""
+    out: list[bytes] = []
+    for command in commands:
+        out.append(b"*%d\r\n" % len(command))
+        for value in command:
+            arg = _arg(value)
+            out += (b"$%d\r\n" % len(arg), arg, b"\r\n")
+    return b"".join(out)
+
+
+def _arg(value: Any) -> bytes:
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, str):
+        return value.encode()
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return repr(value).encode()
+    raise TypeError(f"cannot send a {type(value).__name__} to Redis")
