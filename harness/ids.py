@@ -5,7 +5,6 @@ callers give (a session's, a message's)."""
 
 from __future__ import annotations
 
-import base64
 import functools
 import os
 import re
@@ -39,8 +38,8 @@ def _b32(n: int, width: int) -> str:
     return "".join(reversed(out))
 
 
-# base64's base32 alphabet (A-Z, 2-7) in index order, to keel's: b32encode, then translate
-_FROM_STD = bytes.maketrans(b"ABCDEFGHIJKLMNOPQRSTUVWXYZ234567", _ALPHABET.encode())
+# every 10 bits as their two characters: 80 random bits are 8 lookups
+_PAIRS = [_ALPHABET[n >> 5] + _ALPHABET[n & 31] for n in range(1024)]
 
 
 @functools.lru_cache(maxsize=4)
@@ -72,5 +71,16 @@ os.register_at_fork(after_in_child=_random.forget)
 
 def new_id(prefix: str) -> str:
     """`prefix_` + 10 chars of milliseconds + 16 chars of randomness (80 bits)."""
-    rand = base64.b32encode(_random.take(10)).translate(_FROM_STD).decode()
+    n = int.from_bytes(_random.take(10))
+    p = _PAIRS
+    rand = (
+        p[n >> 70]
+        + p[(n >> 60) & 1023]
+        + p[(n >> 50) & 1023]
+        + p[(n >> 40) & 1023]
+        + p[(n >> 30) & 1023]
+        + p[(n >> 20) & 1023]
+        + p[(n >> 10) & 1023]
+        + p[n & 1023]
+    )
     return f"{prefix}_{_ms_text(time.time_ns() // 1_000_000)}{rand}"

@@ -149,6 +149,22 @@ class Sessions:
         A webhook channel names the `author`, may have the session made on its first message
         (`create`: its metadata) and has the delivery relay told (`deliver_to`: its
         destination), all in the same round trip."""
+        result, _ = await self._submit(sid, owner, text, context, message_id, author, create, deliver_to, policy)
+        return result
+
+    async def _submit(
+        self,
+        sid: str,
+        owner: str,
+        text: str,
+        context: PageContext,
+        message_id: str | None,
+        author: str = "",
+        create: dict[str, Any] | None = None,
+        deliver_to: str | None = None,
+        policy: MessagePolicy = "queue",
+    ) -> tuple[SubmitResult, bool]:
+        """`submit`, and whether its turn began here (this process writes it)."""
         check_session_id(sid)
         if message_id is None:
             message_id = new_id("msg")
@@ -182,7 +198,7 @@ class Sessions:
             )
             if runner is not None:
                 runner.kick(sid, submitted.job)
-        return SubmitResult(
+        result = SubmitResult(
             session_id=sid,
             message_id=message_id,
             turn_id=submitted.turn_id,
@@ -191,6 +207,7 @@ class Sessions:
             received_seq=submitted.received.seq if submitted.received is not None else 0,
             handled="steered" if submitted.steered else "interrupting" if submitted.interrupted else "queued",
         )
+        return result, submitted.began is not None
 
     async def _submit_reserved(
         self,
@@ -529,8 +546,12 @@ class Sessions:
         check_session_id(sid)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        async with self.store.hub.watch(sid, settled_only=True) as watch:
-            result = await self.submit(sid, owner, text, context, message_id, policy=policy)
+        hub = self.store.hub
+        # (deferred: a turn this process begins comes published here, no notice from Redis needed)
+        async with hub.watch(sid, settled_only=True, deferred=True) as watch:
+            result, here = await self._submit(sid, owner, text, context, message_id, policy=policy)
+            if not here:  # (another runner's turn, or a later one: commits made elsewhere wake it)
+                hub.follow(sid, watch)
             if not result.duplicate:  # its events, from message.received on, may come published
                 watch.last_seq = result.received_seq - 1
             after = streamids.before(result.received_id)

@@ -45,8 +45,15 @@ def wire_for(client: Client, replicas: Replicas | None = None, origin: str = "")
 
 
 def key_of(command: Sequence[Any]) -> bytes:
-    """The key a command is routed by: EVALSHA's first key, else its first argument."""
-    key = command[3] if command[0] in ("EVALSHA", "EVAL") else command[1]
+    """The key a command is routed by: EVALSHA's first key, XREADGROUP's first stream, else its
+    first argument."""
+    name = command[0]
+    if name in ("EVALSHA", "EVAL"):
+        key = command[3]
+    elif name == "XREADGROUP":
+        key = command[list(command).index("STREAMS") + 1]
+    else:
+        key = command[1]
     return key if isinstance(key, bytes) else str(key).encode()
 
 

@@ -144,6 +144,9 @@ class EventHub:
         self._last: dict[str, str] = {}  # session -> the newest event id its watches were woken for
         self._writing: set[str] = set()  # sessions whose turn is being written here now
         self._passed: set[str] = set()  # ... whose notice was passed over meanwhile
+        # watches that do not follow their session's channel (yet): the turn they wait for is
+        # written here, so its commits come published here (`open_watch`'s `deferred`)
+        self._deferred: dict[str, set[Watch]] = {}
         self._cancellable: dict[str, tuple[str, Callable[[], None]]] = {}  # session -> (turn, stop it)
         self._bus = None
         if redis is not None and wire is not None:
@@ -213,6 +216,17 @@ class EventHub:
             if sid in self._passed:
                 self._passed.discard(sid)
                 self._missed(sid)
+            if sid in self._deferred:  # (soon: a waiter its last commit just woke closes its watch first)
+                asyncio.get_running_loop().call_soon(self._follow_deferred, sid)
+
+    def _follow_deferred(self, sid: str) -> None:
+        """The session's turn is no longer written here: its deferred watches follow its channel
+        now, and read (a commit made elsewhere before the subscription is read so)."""
+        if sid in self._writing:
+            return  # (written here again: the next turn's end comes back here)
+        for w in self._deferred.pop(sid, ()):
+            self.follow(sid, w, deferred=False)
+            w.wake_elsewhere()
 
     # ---- live events and cancels -----------------------------------------------------------
 
@@ -270,31 +284,54 @@ class EventHub:
     # ---- readers ------------------------------------------------------------------------------
 
     @contextlib.asynccontextmanager
-    async def watch(self, sid: str, *, settled_only: bool = False, live: bool = True) -> AsyncIterator[Watch]:
+    async def watch(
+        self, sid: str, *, settled_only: bool = False, live: bool = True, deferred: bool = False
+    ) -> AsyncIterator[Watch]:
         """Wake-ups for the session's new events. Its channel is subscribed (if it is not yet)
         and the watch woken once Redis confirms it, so a commit made elsewhere after the
         caller's read, before or after the subscription, wakes it. Commits in this process wake
         every watch of the session (a `settled_only` one: only those that settle a turn).
         Without `live` (or with `settled_only`) it takes no live events."""
-        w = self.open_watch(sid, settled_only=settled_only, live=live)
+        w = self.open_watch(sid, settled_only=settled_only, live=live, deferred=deferred)
         try:
             yield w
         finally:
             self.close_watch(sid, w)
 
-    def open_watch(self, sid: str, *, settled_only: bool = False, live: bool = True) -> Watch:
-        """`watch` without its block: the caller closes it (`close_watch`), however it ends."""
+    def open_watch(self, sid: str, *, settled_only: bool = False, live: bool = True, deferred: bool = False) -> Watch:
+        """`watch` without its block: the caller closes it (`close_watch`), however it ends.
+        `deferred` (a wait for one turn): it does not follow the session's channel until told
+        (`follow`), or until a turn written here ends: the turn it waits for may be one this
+        process writes, whose commits come published here, not from Redis."""
         w = Watch(settled_only=settled_only, live=live)
         self._watches.setdefault(sid, set()).add(w)
-        if self._bus is not None:
-            self._bus.follow(sid)
+        self.follow(sid, w, deferred=deferred)
         return w
+
+    def follow(self, sid: str, w: Watch, *, deferred: bool = False) -> None:
+        """The watch hears commits made elsewhere (a deferred one: from now on)."""
+        waiting = self._deferred.get(sid)
+        if waiting is not None and w in waiting:
+            if deferred:
+                return
+            waiting.discard(w)
+            if not waiting:
+                del self._deferred[sid]
+        if deferred:
+            self._deferred.setdefault(sid, set()).add(w)
+        elif self._bus is not None:
+            self._bus.follow(sid)
 
     def close_watch(self, sid: str, w: Watch) -> None:
         ws = self._watches.get(sid)
         if ws is None or w not in ws:
             return  # (closed already)
-        if self._bus is not None:
+        waiting = self._deferred.get(sid)
+        if waiting is not None and w in waiting:
+            waiting.discard(w)
+            if not waiting:
+                del self._deferred[sid]
+        elif self._bus is not None:
             self._bus.unfollow(sid)
         ws.discard(w)
         if not ws:

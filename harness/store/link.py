@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol, cast
 
 import hiredis
+from hiredis import pack_command as _pack_one
 from redis.asyncio.connection import AbstractConnection, Connection, UnixDomainSocketConnection
 from redis.exceptions import (
     AskError,
@@ -222,22 +223,7 @@ class ClientLink:
 
 
 def pack(commands: Sequence[Sequence[Any]]) -> bytes:
-    """`commands` in the Redis protocol (RESP2 arrays of bulk strings), as redis-py packs them:
-    bytes as they are, str as UTF-8, int and float by repr."""
-    out: list[bytes] = []
-    for command in commands:
-        out.append(b"*%d\r\n" % len(command))
-        for value in command:
-            arg = _arg(value)
-            out += (b"$%d\r\n" % len(arg), arg, b"\r\n")
-    return b"".join(out)
-
-
-def _arg(value: Any) -> bytes:
-    if isinstance(value, bytes):
-        return value
-    if isinstance(value, str):
-        return value.encode()
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        return repr(value).encode()
-    raise TypeError(f"cannot send a {type(value).__name__} to Redis")
+    """`commands` in the Redis protocol (RESP2 arrays of bulk strings), as redis-py packs them
+    (hiredis's packer: bytes as they are, str as UTF-8, int and float by repr; anything else
+    is a TypeError)."""
+    return b"".join([_pack_one(c if type(c) is tuple else tuple(c)) for c in commands])

@@ -20,6 +20,8 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ResponseError
 
 from harness.store.client import Client, translated
+from harness.store.clusterwire import AnyWire
+from harness.store.wire import raised
 from harness.store.keys import JOBS, JOBS_GROUP, job_shard, job_streams
 from harness.store.streamids import StreamId
 from harness.types import Depth
@@ -40,9 +42,16 @@ class JobQueue:
     jobs ("session X has events for destination D") are a second one."""
 
     def __init__(
-        self, redis: Client, *, consumer: str | None = None, stream: str = JOBS, group: str = JOBS_GROUP
+        self,
+        redis: Client,
+        *,
+        consumer: str | None = None,
+        stream: str = JOBS,
+        group: str = JOBS_GROUP,
+        wire: AnyWire | None = None,
     ) -> None:
         self.redis = redis
+        self.wire = wire  # (if given, reads and acknowledgements go this way: see `wire`)
         self.consumer = consumer or consumer_name()
         self.stream = stream
         self.group = group
@@ -62,7 +71,13 @@ class JobQueue:
         job). A stream or group that is gone (Redis restarted without persistence, or flushed)
         is made again, from its start."""
         try:
-            res: Any = await self.redis.xreadgroup(
+            if self.wire is not None:
+                block_ms = min(block_ms, int(self.wire.timeout * 500))  # (well within a call's deadline)
+                read = ("XREADGROUP", "GROUP", self.group, self.consumer, "COUNT", count, "BLOCK", block_ms)
+                (res,) = raised(await self.wire.call([(*read, "STREAMS", self.stream, ">")]))
+                # (as RESP has it: [[stream, [[id, [field, value, ...]], ...]]], or nil)
+                return [(JobId.parse(jid.decode()), _field(kv, b"s")) for _, entries in res or () for jid, kv in entries]
+            got: Any = await self.redis.xreadgroup(
                 self.group, self.consumer, {self.stream: ">"}, count=count, block=block_ms
             )
         except ResponseError as exc:
@@ -70,7 +85,7 @@ class JobQueue:
                 raise
             await self.ensure_group()
             return []
-        return [(JobId.parse(jid.decode()), fields[b"s"].decode()) for _, entries in res for jid, fields in entries]
+        return [(JobId.parse(jid.decode()), fields[b"s"].decode()) for _, entries in got for jid, fields in entries]
 
     @translated
     async def reclaim(self, min_idle_ms: int, count: int = 100) -> list[tuple[JobId, str]]:
@@ -104,6 +119,9 @@ class JobQueue:
     @translated
     async def done(self, *job_ids: JobId | str) -> None:
         ids = [str(j) for j in job_ids]
+        if self.wire is not None:
+            raised(await self.wire.call([("XACK", self.stream, self.group, *ids), ("XDEL", self.stream, *ids)]))
+            return
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.xack(self.stream, self.group, *ids)
             pipe.xdel(self.stream, *ids)
@@ -116,10 +134,12 @@ class JobShards:
     `shards` 0: one stream on one server, `CLUSTER_SHARDS` on a cluster. Every process of a
     deployment must read the same shards."""
 
-    def __init__(self, redis: Client, shards: int = 0, *, consumer: str | None = None) -> None:
+    def __init__(
+        self, redis: Client, shards: int = 0, *, consumer: str | None = None, wire: AnyWire | None = None
+    ) -> None:
         if shards <= 0:
             shards = CLUSTER_SHARDS if isinstance(redis, RedisCluster) else 1
-        self.queues = [JobQueue(redis, consumer=consumer, stream=s) for s in job_streams(shards)]
+        self.queues = [JobQueue(redis, consumer=consumer, stream=s, wire=wire) for s in job_streams(shards)]
         self._acks: list[tuple[str, JobId]] = []  # (session, job): done soon, together
         self._acking: asyncio.Task[None] | None = None
 
@@ -173,6 +193,14 @@ class JobShards:
         """Jobs not done on every shard; the oldest's age over them all."""
         depths = await asyncio.gather(*(q.depth() for q in self.queues))  # (on a cluster: at once, node by node)
         return Depth(sum(d.jobs for d in depths), max(d.oldest_s for d in depths))
+
+
+def _field(flat: list[bytes], name: bytes) -> str:
+    """A stream entry's field, from its flat [field, value, ...] list."""
+    for at in range(0, len(flat) - 1, 2):
+        if flat[at] == name:
+            return flat[at + 1].decode()
+    raise KeyError(name)
 
 
 def _stream_gone(exc: ResponseError) -> bool:

@@ -129,7 +129,7 @@ class Store:
         # (this process's name to the others: its scripts' notices skip it, its live events too)
         self.origin = os.urandom(8).hex()
         self.wire = wire_for(redis, Replicas(replicas, replica_wait_ms) if replicas else None, self.origin)
-        self.jobs = JobShards(redis, job_shards)
+        self.jobs = JobShards(redis, job_shards, wire=self.wire)
         self.hub = EventHub(redis, self.wire, self.origin)
         self.outbox = Outbox(redis, self.wire, self.hub)
         self.hooks = Subscriptions(redis)
