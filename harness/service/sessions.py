@@ -149,7 +149,9 @@ class Sessions:
         A webhook channel names the `author`, may have the session made on its first message
         (`create`: its metadata) and has the delivery relay told (`deliver_to`: its
         destination), all in the same round trip."""
-        result, _ = await self._submit(sid, owner, text, context, message_id, author, create, deliver_to, policy)
+        result, _ = await self._submit(
+            sid, owner, text, context, message_id, author=author, create=create, deliver_to=deliver_to, policy=policy
+        )
         return result
 
     async def _submit(
@@ -159,6 +161,7 @@ class Sessions:
         text: str,
         context: PageContext,
         message_id: str | None,
+        *,
         author: str = "",
         create: dict[str, Any] | None = None,
         deliver_to: str | None = None,

@@ -21,9 +21,9 @@ from redis.exceptions import ResponseError
 
 from harness.store.client import Client, translated
 from harness.store.clusterwire import AnyWire
-from harness.store.wire import raised
 from harness.store.keys import JOBS, JOBS_GROUP, job_shard, job_streams
 from harness.store.streamids import StreamId
+from harness.store.wire import raised
 from harness.types import Depth
 
 log = logging.getLogger("keel.runner")
@@ -76,7 +76,8 @@ class JobQueue:
                 read = ("XREADGROUP", "GROUP", self.group, self.consumer, "COUNT", count, "BLOCK", block_ms)
                 (res,) = raised(await self.wire.call([(*read, "STREAMS", self.stream, ">")]))
                 # (as RESP has it: [[stream, [[id, [field, value, ...]], ...]]], or nil)
-                return [(JobId.parse(jid.decode()), _field(kv, b"s")) for _, entries in res or () for jid, kv in entries]
+                jobs = [(jid, kv) for _, entries in res or () for jid, kv in entries]
+                return [(JobId.parse(jid.decode()), _field(kv, b"s")) for jid, kv in jobs]
             got: Any = await self.redis.xreadgroup(
                 self.group, self.consumer, {self.stream: ">"}, count=count, block=block_ms
             )
