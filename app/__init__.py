@@ -76,6 +76,8 @@ def build_harness(
         job_shards=settings.job_shards,
         replicas=1 if settings.durability == "replica" else 0,
         session_ttl_ms=settings.session_ttl_ms,
+        event_retention_ms=settings.event_retention_ms,
+        idempotency_ms=settings.idempotency_ms,
     )
 
 

@@ -108,6 +108,8 @@ class Settings:
     runner_concurrency: int = 64
     lease_ms: int = 5_000
     event_retention: int = 10_000
+    event_retention_ms: int = DAY_MS  # events also leave the outbox once this old (hours in the environment)
+    idempotency_ms: int = DAY_MS  # a message id is remembered (a repeat is the same message) this long
     wait_timeout: float = 60.0
     sse_heartbeat: float = 15.0
     log_level: str = "info"
@@ -162,6 +164,8 @@ class Settings:
             runner_concurrency=_int(env, "KEEL_RUNNER_CONCURRENCY", 64),
             lease_ms=_int(env, "KEEL_LEASE_MS", 5_000, low=500),
             event_retention=_int(env, "KEEL_EVENT_RETENTION", 10_000, low=100),
+            event_retention_ms=max(1, round(_float(env, "KEEL_EVENT_RETENTION_HOURS", 24.0) * 3_600_000)),
+            idempotency_ms=max(1, round(_float(env, "KEEL_IDEMPOTENCY_HOURS", 24.0) * 3_600_000)),
             wait_timeout=_float(env, "KEEL_WAIT_TIMEOUT", 60.0),
             sse_heartbeat=_float(env, "KEEL_SSE_HEARTBEAT", 15.0),
             log_level=(env.get("KEEL_LOG_LEVEL") or "info").lower(),

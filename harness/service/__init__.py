@@ -24,6 +24,7 @@ from harness.service.quotas import Quotas, RateLimit
 from harness.service.sessions import Sessions
 from harness.service.webhooks import Webhooks
 from harness.store import Client, Store, connect, reachable
+from harness.store.sessions import DAY_MS
 from harness.telemetry.metrics import HarnessStats
 from harness.tools.mcp import McpTools
 from harness.tools.mcpconfig import McpServer
@@ -47,6 +48,8 @@ class Harness:
         job_shards: int = 0,
         replicas: int = 0,
         session_ttl_ms: int = 0,
+        event_retention_ms: int = DAY_MS,
+        idempotency_ms: int = DAY_MS,
     ) -> None:
         """`agent` runs the turns (None: this process runs none, as a command-line tool's)."""
         self.redis = redis
@@ -59,6 +62,8 @@ class Harness:
             job_shards=job_shards,
             replicas=replicas,
             ttl_ms=session_ttl_ms,  # (0: never)
+            retention_ms=event_retention_ms,  # (0: events kept by count only)
+            idempotency_ms=idempotency_ms,
             stats=self.stats,
         )
         self.lease_ms = lease_ms

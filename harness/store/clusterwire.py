@@ -68,7 +68,8 @@ class ClusterWire:
     ) -> None:
         self.cluster = cluster
         self.replicas = replicas
-        self.origin = (origin,) if origin else ()  # a script's ARGV[2]: who writes (see `lua._EMIT`)
+        # every script's ARGV[2:]: who writes, and the store's windows (`Store`; see `lua._EMIT`)
+        self.argv: tuple[str, ...] = (origin,) if origin else ()
         self.timeout = timeout or TIMEOUT_S
         self._pools: dict[str, Pool] = {}
         self._ready = False
@@ -120,9 +121,9 @@ class ClusterWire:
         sessions): not waited for by replicas, its failures let be (a node of the list down, or
         its replica, is no reason to refuse a message that is safe)."""
         evalsha: tuple[Any, ...] = ("EVALSHA", sha, len(keys), *keys, *args)
-        batch: list[Sequence[Any]] = [(*evalsha, *self.origin)]
+        batch: list[Sequence[Any]] = [(*evalsha, *self.argv)]
         if self.replicas is not None:  # (the notice once WAIT had its replicas, not from the script)
-            batch = [(*evalsha, *QUIET), *self.replicas.sync(keys)]
+            batch = [(*evalsha, *QUIET, *self.argv[1:]), *self.replicas.sync(keys)]
         slot = key_slot(key_of(evalsha))
         for attempt in range(2):
             got = await self._on_slot(slot, batch, unit=self.replicas is not None)

@@ -15,7 +15,9 @@ JSON from Python is never decoded and re-encoded here (cjson would change number
 
 Meta fields: owner, created_at, metadata, status (idle|running|waiting), seq, fence, turn (the
 turn in progress), turn_start, hist_start (where the turn's items and the active history begin in
-the history list), u_in/u_out/u_cached/u_cwrite/u_calls (usage), last_in/last_est (the provider-reported
+the history, counted from its first item ever: the list holds the active history only, the items
+a compaction or a clear replaced are dropped, and hist_base says how many were),
+u_in/u_out/u_cached/u_cwrite/u_calls (usage), last_in/last_est (the provider-reported
 input tokens of the last turn call and keel's estimate of that request, for compaction),
 waiting_on (the request ids the paused turn waits for), undecided (how many of them are
 unanswered), cancel (the turn a cancel was asked for), held (1 while a runner runs the turn in
@@ -50,6 +52,18 @@ local function pairs_of(flat)
   for i = 1, #flat, 2 do t[#t + 1] = {flat[i], flat[i + 1]} end
   return t
 end
+local clock = nil
+local function now_ms()  -- the server's time (one read a script)
+  if not clock then
+    local t = redis.call('TIME')
+    clock = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  end
+  return clock
+end
+local function remembered(mid)  -- a message id kept for the idempotency window (ARGV[4], ms)
+  local ms = tonumber(ARGV[4] or 0)
+  if ms and ms > 0 then redis.call('HPEXPIRE', K.mids, ms, 'FIELDS', 1, mid) end
+end
 """
 
 # `emit` appends one event; `first_seq` is the seq of the first event this script emitted (the
@@ -61,6 +75,9 @@ end
 # is named in its `readers` hash until a deadline (server time, ms); the writer's own readers
 # get its events from it, not from Redis. ARGV[2] 'quiet': the notice is sent after the
 # replicas' WAIT instead; none (or a script that does not name `readers`): always.
+# A script that emitted trims the outbox of events older than ARGV[3] ms (0: kept by count
+# only; approximately: whole stream nodes) and has the stream expire that long after its newest
+# event (or with the session, if sooner): a session left alone keeps no events past the window.
 # `body` is the stored tail of an envelope (harness.events.event_body), for the events whose
 # turn id only the script knows.
 _EMIT = """
@@ -79,21 +96,22 @@ local function heard()
   if me == 'quiet' then return false end
   if not me or not K.readers then return true end
   local r = redis.call('HGETALL', K.readers)
-  local now = nil
   for i = 1, #r, 2 do
-    if r[i] ~= me then
-      if not now then
-        local t = redis.call('TIME')
-        now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-      end
-      if tonumber(r[i + 1]) > now then return true end
-    end
+    if r[i] ~= me and tonumber(r[i + 1]) > now_ms() then return true end
   end
   return false
 end
 local plain_reply = reply
 reply = function(t)
-  if last_id and heard() then redis.call('SPUBLISH', string.sub(K.meta, 1, -5) .. 'live', '@' .. last_id) end
+  if last_id then
+    local age = tonumber(ARGV[3] or 0)
+    if age and age > 0 then
+      redis.call('XTRIM', K.outbox, 'MINID', '~', now_ms() - age)
+      local left = redis.call('PTTL', K.meta)
+      redis.call('PEXPIRE', K.outbox, (left > 0 and left < age) and left or age)
+    end
+    if heard() then redis.call('SPUBLISH', string.sub(K.meta, 1, -5) .. 'live', '@' .. last_id) end
+  end
   return plain_reply(t)
 end
 local function body(turn_id, at, data_json)
@@ -102,8 +120,10 @@ end
 """
 
 # The session's expiry: every key of a session but its lease and its readers (which have their
-# own) expires at the same moment. `keep`, in a script that names every key of the session (CREATE, SUBMIT, a
-# COMMIT that ends or pauses a turn), sets them all to expire `ttl_ms` from now (0: never);
+# own), and its outbox when events are kept by age (see `_EMIT`: until its newest event is that
+# old, at most), expires at the same moment. `keep`, in a script that names every key of the
+# session (CREATE, SUBMIT, a COMMIT that ends or pauses a turn), sets them all to expire
+# `ttl_ms` from now (0: never);
 # within one script the server's clock stands still, so they get the very same deadline. It
 # does so at most every hundredth of the TTL (an hour at most): a deadline fresher than that is
 # left as it is (so a busy session costs one PTTL a script, not a PEXPIRE per key).
@@ -111,12 +131,22 @@ end
 # answer, ...) the deadline its meta has, without naming the others; every script calls it for
 # the keys it may have made, whether `keep` runs or not.
 _KEEP = """
+local function keep_events(ttl_ms, age)  -- the outbox: until its newest event is `age` old, at most
+  local newest = redis.call('XREVRANGE', K.outbox, '+', '-', 'COUNT', 1)[1]
+  if not newest then return end
+  local at = tonumber(string.match(newest[1], '^(%d+)')) + age
+  if ttl_ms > 0 then at = math.min(at, now_ms() + ttl_ms) end
+  redis.call('PEXPIREAT', K.outbox, at)
+end
 local function keep(ttl_ms)
   local left = redis.call('PTTL', K.meta)
   if ttl_ms > 0 and left > ttl_ms - math.min(ttl_ms / 100, 3600000) then return end
   if ttl_ms <= 0 and left == -1 then return end
+  local age = tonumber(ARGV[3] or 0) or 0
   for name, key in pairs(K) do
-    if name ~= 'lease' and name ~= 'readers' then
+    if name == 'outbox' and age > 0 then
+      keep_events(ttl_ms, age)
+    elseif name ~= 'lease' and name ~= 'readers' then
       if ttl_ms > 0 then redis.call('PEXPIRE', key, ttl_ms) else redis.call('PERSIST', key) end
     end
   end
@@ -187,6 +217,7 @@ local resolved = body(turn_id, A.now, A.data)
 local id = emit(A.retention, EV.InputResolved, resolved)
 if A.message_id ~= '' and redis.call('HSETNX', K.mids, A.message_id, turn_id .. ' ' .. id) == 1 then
   expire_with_meta(K.mids)  -- (the channel's message that answered, redelivered: the same message)
+  remembered(A.message_id)
 end
 local left = -1
 local waiting_on = ' ' .. (redis.call('HGET', K.meta, 'waiting_on') or '') .. ' '
@@ -214,6 +245,7 @@ if A.once ~= '' then
   -- ('!' is in no message id: a request's id can never pass for a message's, nor the reverse)
   if redis.call('HSETNX', K.mids, '!' .. A.once, 'cancel') == 0 then return reply({tag = 'idle'}) end
   expire_with_meta(K.mids)
+  remembered('!' .. A.once)
 end
 local head = redis.call('LINDEX', K.inbox, 0)
 if not head then return reply({tag = 'idle'}) end
@@ -254,9 +286,9 @@ FORK_READ = (
     _COMMON
     + """
 if not owns(A.owner) then return reply({tag = 'missing'}) end
-local m = redis.call('HMGET', K.meta, 'metadata', 'title', 'turn', 'turn_start', 'hist_start')
+local m = redis.call('HMGET', K.meta, 'metadata', 'title', 'turn', 'turn_start', 'hist_start', 'hist_base')
 local out = {tag = 'ok', metadata = m[1], title = m[2] or '', turn = m[3] or '', turn_start = tonumber(m[4]),
-  hist_start = tonumber(m[5]), items = redis.call('LRANGE', K.history, tonumber(m[5]), -1)}
+  hist_start = tonumber(m[5]), items = redis.call('LRANGE', K.history, tonumber(m[5]) - tonumber(m[6] or 0), -1)}
 if A.message_id ~= '' then
   local found = redis.call('HGET', K.mids, A.message_id)
   out.message_turn = found and string.match(found, '^(%S+) ') or ''
@@ -287,7 +319,10 @@ end
 redis.call('HSET', K.meta, 'turn_start', length, 'preview', A.preview)
 if A.title ~= '' then redis.call('HSET', K.meta, 'title', A.title) end
 -- the copied messages' ids are the fork's too (sent again, the same message; edited, a fork again)
-for _, m in ipairs(A.mids) do redis.call('HSET', K.mids, m[1], m[2] .. ' ' .. id) end
+for _, m in ipairs(A.mids) do
+  redis.call('HSET', K.mids, m[1], m[2] .. ' ' .. id)
+  remembered(m[1])
+end
 keep(A.create.ttl_ms)
 return reply({tag = 'ok', id = id, seq = first_seq})
 """

@@ -48,7 +48,7 @@ end
 _BEGIN_TURN = """
 local function begin_turn(B)
   local meta = redis.call('HMGET', K.meta, 'owner', 'cancel', 'status', 'undecided', 'turn', 'hist_start',
-    'turn_start', 'waiting_on', 'last_in', 'last_est', 'held', 'created_at')
+    'turn_start', 'waiting_on', 'last_in', 'last_est', 'held', 'created_at', 'hist_base')
   if not meta[1] then return {tag = 'missing'} end
   local head = redis.call('LINDEX', K.inbox, 0)
   if not head then return {tag = 'empty'} end
@@ -65,7 +65,8 @@ local function begin_turn(B)
   local out = {tag = 'ok', fence = fence, head = head, cancel = cancel,
     took_over = meta[5] == m.turn_id and meta[11] == '1'}
   local kind = m.kind or 'message'
-  local length = redis.call('LLEN', K.history)
+  local base = tonumber(meta[13] or 0)  -- (items dropped from the list's head: indexes count them)
+  local length = redis.call('LLEN', K.history) + base
   local turn_start = tonumber(meta[7])
   local waiting_on = meta[8] or ''
   if meta[5] ~= m.turn_id then
@@ -101,7 +102,7 @@ local function begin_turn(B)
   out.n_before = turn_start - start
   out.start = start
   out.reused = from - start
-  out.items = redis.call('LRANGE', K.history, from, -1)
+  out.items = redis.call('LRANGE', K.history, from - base, -1)
   out.sticky = pairs_of(redis.call('HGETALL', K.sticky))
   out.decisions = pairs_of(decisions)
   out.last_in = tonumber(meta[9]) or 0
@@ -149,6 +150,7 @@ redis.call('HSETNX', K.meta, 'title', A.title)
 local function known_as(turn_id, id)  -- the message id's turn and event, once and for all
   redis.call('HSET', K.mids, A.message_id, turn_id .. ' ' .. id)
   if redis.call('HLEN', K.mids) == 1 then expire_with_meta(K.mids) end
+  remembered(A.message_id)
 end
 local message_turn = h and (h.kind or 'message') == 'message' and h.turn_id == redis.call('HGET', K.meta, 'turn')
 if h and A.policy == 'steer' and message_turn and redis.call('HGET', K.meta, 'status') == 'running' then
@@ -227,13 +229,22 @@ local cancel = state[2] == A.turn_id
 if A.guard and cancel then  -- what it would announce will not happen: the usage only
   return reply({tag = 'dropped', ids = ids, length = 0, cancel = true, first_seq = first_seq, resolved = {}})
 end
-local before = redis.call('LLEN', K.history)
+-- (indexes count from the history's first item ever: the list holds the active history only)
+local base = tonumber(redis.call('HGET', K.meta, 'hist_base') or 0)
+local held = redis.call('LLEN', K.history)
+local before = held + base
 local length = before
 for j = 1, #A.items, 1000 do  -- (unpack has a limit: a long rebase goes in slices)
-  length = redis.call('RPUSH', K.history, unpack(A.items, j, math.min(j + 999, #A.items)))
+  length = redis.call('RPUSH', K.history, unpack(A.items, j, math.min(j + 999, #A.items))) + base
 end
 if A.rebase then
-  redis.call('HSET', K.meta, 'hist_start', before, 'turn_start', before + A.rebase, 'last_in', 0, 'last_est', 0)
+  -- the items the new active history replaces leave the list
+  if held > 0 then
+    redis.call('LTRIM', K.history, held, -1)
+    base = base + held
+  end
+  redis.call('HSET', K.meta, 'hist_start', before, 'turn_start', before + A.rebase, 'hist_base', base,
+    'last_in', 0, 'last_est', 0)
 end
 for _, r in ipairs(A.requests) do redis.call('HSET', K.pending, r.request_id, r.json) end
 local resolved = {}  -- which of the given answers were set (and emitted), 0-based
@@ -258,7 +269,7 @@ if A.attempt and not cancel and A.mode == 'step' then
     steered[#steered + 1] = '{"id":' .. cjson.encode('it_' .. A.turn_id .. '_s_' .. m.turn_id) ..
       ',"role":"user","text":' .. cjson.encode(m.text) .. ',"turn_id":' .. cjson.encode(A.turn_id) ..
       ',"message_id":' .. cjson.encode(m.message_id) .. '}'
-    length = redis.call('RPUSH', K.history, steered[#steered])
+    length = redis.call('RPUSH', K.history, steered[#steered]) + base
   end
   if #steered > 0 then redis.call('DEL', K.steer) end
 end
@@ -283,6 +294,7 @@ elseif A.mode == 'final' then
     local received = body(m.turn_id, A.at, data)
     local rid = emit(A.retention, EV.MessageReceived, received)
     redis.call('HSET', K.mids, m.message_id, m.turn_id .. ' ' .. rid)
+    remembered(m.message_id)
     out.received[#out.received + 1] = {id = rid, seq = last_seq, body = received}
   end
   -- (they run first, but after the messages that interrupted the turn: those run next; an
@@ -314,7 +326,7 @@ if A.mode ~= 'step' and A.at ~= '' then  -- a turn's end (or pause) is activity 
   redis.call('HSET', K.meta, 'updated_at', A.at)
   if A.preview ~= '' then redis.call('HSET', K.meta, 'preview', A.preview) end
 end
-if before == 0 and length > 0 then expire_with_meta(K.history) end
+if held == 0 and length > before then expire_with_meta(K.history) end
 if #A.requests > 0 then expire_with_meta(K.pending) end
 if #resolved > 0 then expire_with_meta(K.decisions) end
 if A.mode ~= 'step' then keep(A.ttl_ms) end

@@ -102,6 +102,7 @@ _enc = msgspec.json.Encoder()
 _inbox = msgspec.json.Decoder(InboxMessage)
 _metadata = msgspec.json.Decoder(dict[str, Any])
 KNOWN_MAX = 100_000
+DAY_MS = 86_400_000
 DELETE_TRIES = 5  # a delete that finds a relay begun on another destination reads `relays` again
 UPDATE_TRIES = 32  # a metadata change that finds another made meanwhile merges again (each round one wins)
 
@@ -122,6 +123,8 @@ class Store:
         replicas: int = 0,
         replica_wait_ms: int = 1000,
         ttl_ms: int = 0,
+        retention_ms: int = DAY_MS,
+        idempotency_ms: int = DAY_MS,
         stats: HarnessStats | None = None,
     ) -> None:
         self.redis = redis
@@ -129,6 +132,9 @@ class Store:
         # (this process's name to the others: its scripts' notices skip it, its live events too)
         self.origin = os.urandom(8).hex()
         self.wire = wire_for(redis, Replicas(replicas, replica_wait_ms) if replicas else None, self.origin)
+        self.retention_ms = retention_ms  # events older than this leave the outbox (0: kept by count only)
+        self.idempotency_ms = idempotency_ms  # a message id is remembered this long (0: for the session's life)
+        self._windows()
         self.jobs = JobShards(redis, job_shards, wire=self.wire)
         self.hub = EventHub(redis, self.wire, self.origin)
         self.outbox = Outbox(redis, self.wire, self.hub)
@@ -144,6 +150,16 @@ class Store:
         self._cache = HistoryCache(cache_sessions)
         self._tasks: set[asyncio.Task[None]] = set()
 
+    def _windows(self) -> None:
+        """Every script's ARGV past its own: this process's origin, and the windows (lua._EMIT)."""
+        self.wire.argv = (self.origin, str(self.retention_ms), str(self.idempotency_ms))
+
+    async def _field_expiry(self) -> bool:
+        """Whether the server expires a hash's fields one by one (HPEXPIRE: Valkey 9, Redis 7.4)."""
+        info: Any = await self.redis.execute_command("COMMAND", "INFO", "HPEXPIRE")
+        found = info.values() if isinstance(info, dict) else info  # (a cluster client's: by node)
+        return any(bool(i) for i in found)
+
     @translated
     async def start(self) -> None:
         """Have Redis know every script before the first one runs, the job streams' groups made,
@@ -151,6 +167,13 @@ class Store:
         answers NOSCRIPT, and the caller loads and runs again; a submit then adds its job twice,
         which is harmless.)"""
         await self.jobs.ensure_groups()
+        if self.idempotency_ms > 0 and not await self._field_expiry():
+            log.warning(
+                "this Redis cannot expire a hash's fields (HPEXPIRE: Valkey >= 9, Redis >= 7.4): "
+                "message ids are remembered for their session's life, not KEEL_IDEMPOTENCY_HOURS"
+            )
+            self.idempotency_ms = 0
+            self._windows()
         scripts = (*p.SCRIPTS, *protocol_relay.SCRIPTS, *quotas.SCRIPTS)
         if isinstance(self.redis, RedisCluster):  # (on every primary; redis-py's cluster pipeline has no SCRIPT LOAD)
             for script in scripts:
@@ -670,10 +693,10 @@ class Store:
     async def history(self, sid: str, owner: str, offset: int = 0, limit: int | None = None) -> list[Item]:
         """Active history from `offset` on, at most `limit` items (all when None)."""
         k = SessionKeys(sid)
-        raw: Any = await self.redis.hmget(k.meta, ["owner", "hist_start"])
+        raw: Any = await self.redis.hmget(k.meta, ["owner", "hist_start", "hist_base"])
         if raw[0] != owner.encode():
             raise _missing(sid)
-        first = int(raw[1]) + offset
+        first = int(raw[1]) - int(raw[2] or 0) + offset  # (the list holds the active history only)
         last = -1 if limit is None else first + limit - 1
         items: Any = await self.redis.lrange(k.history, first, last)
         return [item_decoder.decode(r) for r in items]

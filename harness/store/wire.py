@@ -197,7 +197,8 @@ class Wire:
         main = redis.connection_pool
         self.redis = redis
         self.replicas = replicas
-        self.origin = (origin,) if origin else ()  # a script's ARGV[2]: who writes (see `lua._EMIT`)
+        # every script's ARGV[2:]: who writes, and the store's windows (`Store`; see `lua._EMIT`)
+        self.argv: tuple[str, ...] = (origin,) if origin else ()
         # a whole call's deadline: the one given, else a socket_timeout from the Redis URL
         self.timeout = timeout or main.connection_kwargs.get("socket_timeout") or TIMEOUT_S
         self.pool = Pool(main.connection_class, main.connection_kwargs, main.max_connections, self.timeout)
@@ -231,10 +232,10 @@ class Wire:
         for (`ClusterWire.script_with`)."""
         commands = [*also, *lazy]
         if self.replicas is None:
-            evalsha = ("EVALSHA", sha, len(keys), *keys, *args, *self.origin)
+            evalsha = ("EVALSHA", sha, len(keys), *keys, *args, *self.argv)
             replies = await run_script(self.pool, sha, source, [evalsha, *commands])
             return replies[: len(replies) - len(lazy)]
-        evalsha = ("EVALSHA", sha, len(keys), *keys, *args, *QUIET)
+        evalsha = ("EVALSHA", sha, len(keys), *keys, *args, *QUIET, *self.argv[1:])
         sync = self.replicas.sync(keys)
         replies = await run_script(self.pool, sha, source, [evalsha, *commands, *sync])
         n = len(replies) - len(sync)

@@ -108,11 +108,16 @@ async def test_every_write_leaves_the_session_on_one_deadline(redis: Redis, stor
     assert await one(sid) == ended  # a deadline this fresh is left as it is (no PEXPIRE per key)
 
 
-async def test_without_a_ttl_nothing_of_a_session_expires(make_harness: Any, redis: Redis) -> None:
-    h: Harness = await make_harness(approving_agent(), session_ttl_ms=0)
+async def test_without_a_ttl_nothing_of_a_session_expires_but_old_events(make_harness: Any, redis: Redis) -> None:
+    h: Harness = await make_harness(approving_agent(), session_ttl_ms=0, event_retention_ms=3_600_000)
     sid = await h.sessions.create("o")
     await h.sessions.submit_and_wait(sid, "o", "wipe disk", context={"page": "p"}, message_id=None, timeout=10)
-    assert set((await deadlines(redis, sid)).values()) == {-1}
+    at = await deadlines(redis, sid)
+    outbox = at.pop(SessionKeys(sid).outbox)
+    assert set(at.values()) == {-1}
+    # the events: an hour after the newest of them
+    (newest,) = await redis.xrevrange(SessionKeys(sid).outbox, count=1)
+    assert outbox == int(newest[0].split(b"-")[0]) + 3_600_000
 
 
 async def test_an_idle_session_disappears_whole(make_harness: Any, redis: Redis) -> None:
