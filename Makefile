@@ -75,8 +75,11 @@ test-cluster: install
 slack-demo: install
 	$(BIN)/python deploy/slack_demo.py
 
+# Every ratio keel is held to (in-process, HTTP, cluster, memory), medians of 3 runs: prints the
+# table and writes deploy/bench/results.json (about 10 min). BENCH_ARGS=--readme also makes
+# README.md's table again from it.
 bench: install
-	$(BIN)/python deploy/bench/bench_http.py
+	$(BIN)/python deploy/bench/suite.py $(BENCH_ARGS)
 
 # 1 vs 2 keel processes on one Valkey and on a cluster, 3 rounds, and the projection (about 11 min).
 loadtest: install

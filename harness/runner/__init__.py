@@ -74,6 +74,7 @@ class Runner:
         self._tasks: set[asyncio.Task[None]] = set()
         self._loops: list[asyncio.Task[None]] = []  # one per job stream
         self._leaving = asyncio.Event()  # the process drains: sessions go to other runners
+        store.hub.written_here = self._writes  # (a waiter of a turn written here needs no notices)
 
     def start(self) -> None:
         self._loops = [
@@ -155,6 +156,12 @@ class Runner:
         if job is not None:
             held.kick(job)
         self._start(sid, begun, held=True)
+
+    def _writes(self, sid: str) -> bool:
+        """Whether this process writes a turn of the session now, or is about to (a SUBMIT that
+        may begin it, reserved here)."""
+        held = self._hand.get(sid)
+        return held is not None and held.phase in (Phase.RUNNING, Phase.RESERVED)
 
     def runs(self, sid: str) -> bool:
         """Whether this process runs a turn of the session now (holds its lease; not only waits)."""

@@ -36,6 +36,7 @@ async def collect_turn(
                     completed = events[-1].of(TurnCompleted)
                     reply = completed.data.reply if completed is not None else None
                     return TurnOutcome(status=status, reply=reply, events=events)
+            outbox.hub.listen(sid, watch)  # (a deferred watch: it follows unless this process writes the turn)
             woken = await watch.wait(min(timeout, 5.0))  # or a periodic look in case a wake-up was lost
             if watch.ended is not None or (not woken and not await outbox.exists(sid)):
                 raise NotFound(f"session {sid} was deleted", code="session_not_found")

@@ -77,6 +77,11 @@ class Watch:
         live, self._live = self._live, []
         return live
 
+    @property
+    def asleep(self) -> bool:
+        """Its reader waits for a wake-up now (not woken yet)."""
+        return self._waiter is not None and not self._waiter.done()
+
     def take_news(self) -> bool:
         news, self._news = self._news, False
         return news
@@ -147,6 +152,8 @@ class EventHub:
         # watches that do not follow their session's channel (yet): the turn they wait for is
         # written here, so its commits come published here (`open_watch`'s `deferred`)
         self._deferred: dict[str, set[Watch]] = {}
+        # whether a turn of the session is (about to be) written here: the runner says
+        self.written_here: Callable[[str], bool] = self._writing.__contains__
         self._cancellable: dict[str, tuple[str, Callable[[], None]]] = {}  # session -> (turn, stop it)
         self._bus = None
         if redis is not None and wire is not None:
@@ -216,17 +223,18 @@ class EventHub:
             if sid in self._passed:
                 self._passed.discard(sid)
                 self._missed(sid)
-            if sid in self._deferred:  # (soon: a waiter its last commit just woke closes its watch first)
-                asyncio.get_running_loop().call_soon(self._follow_deferred, sid)
+            # deferred watches asleep now hear commits made elsewhere from now on (their
+            # subscription's confirmation has them read what came before it); one its last
+            # commit just woke decides when it waits again (`listen`)
+            for w in [w for w in self._deferred.get(sid, ()) if w.asleep]:
+                self.follow(sid, w)
 
-    def _follow_deferred(self, sid: str) -> None:
-        """The session's turn is no longer written here: its deferred watches follow its channel
-        now, and read (a commit made elsewhere before the subscription is read so)."""
-        if sid in self._writing:
-            return  # (written here again: the next turn's end comes back here)
-        for w in self._deferred.pop(sid, ()):
-            self.follow(sid, w, deferred=False)
-            w.wake_elsewhere()
+    def listen(self, sid: str, w: Watch) -> None:
+        """A deferred watch is about to wait: unless the session's turn is written here, it
+        follows the channel now."""
+        waiting = self._deferred.get(sid)
+        if waiting is not None and w in waiting and not self.written_here(sid):
+            self.follow(sid, w)
 
     # ---- live events and cancels -----------------------------------------------------------
 
@@ -301,7 +309,8 @@ class EventHub:
     def open_watch(self, sid: str, *, settled_only: bool = False, live: bool = True, deferred: bool = False) -> Watch:
         """`watch` without its block: the caller closes it (`close_watch`), however it ends.
         `deferred` (a wait for one turn): it does not follow the session's channel until told
-        (`follow`), or until a turn written here ends: the turn it waits for may be one this
+        (`follow`), until it waits when no turn of the session is written here (`listen`), or
+        until a turn written here ends while it waits: the turn it waits for may be one this
         process writes, whose commits come published here, not from Redis."""
         w = Watch(settled_only=settled_only, live=live)
         self._watches.setdefault(sid, set()).add(w)

@@ -109,3 +109,24 @@ async def test_a_tool_running_at_the_drain_finishes_and_commits_once(make_harnes
     types = [e.type for e in turn.events]
     assert types.count("tool.completed") == 1 and types.count("turn.completed") == 1
     assert len(model.requests) == 2  # the step before the tool was not recomputed
+
+
+async def test_a_wait_for_a_turn_handed_over_hears_the_other_runner_at_once(make_harness: Any) -> None:
+    """`?wait=true` in the process whose runner began the turn needs no notices while that
+    runner writes it; once the turn leaves (a drain), the wait hears the runner that finishes it
+    at once, not at its periodic look (5 s)."""
+    model = Blocking(lambda r: ModelReply(text="re: " + r.messages[-1].text))
+    agent = Agent(instructions="t", model=ScriptedModel(model))
+    one = await make_harness(agent, lease_ms=LEASE_MS)
+    sid = await one.sessions.create("anon")
+    waiting = asyncio.create_task(
+        one.sessions.submit_and_wait(sid, "anon", "hello", context=None, message_id=None, timeout=30)
+    )
+    async with asyncio.timeout(10):
+        await model.entered.wait()
+    model.block = False
+    assert await one.hand_over(5) == 1
+    await make_harness(agent, lease_ms=LEASE_MS)  # the runner that takes it
+    async with asyncio.timeout(3):
+        turn = await waiting
+    assert turn.status == "completed" and turn.reply == "re: hello"
