@@ -38,13 +38,54 @@ delivery relay's and the rate limiter's in `lua_relay`.
 from __future__ import annotations
 
 # Shared helpers, put in front of the scripts that use them.
+# The session's meta as this script knows it: each field read once (`mneed` reads those it will
+# want in one HMGET; `mget` one it did not name), changed here (`mset`, `mincr`; a field set to
+# false is removed) and written back in one HSET (and an HDEL) by `mflush` as the script answers
+# (a session the script made, before anything reads the key's expiry: `mmade`). A script runs
+# alone: what it read cannot change under it, so this is a command a field, in fewer commands.
 # `reply`: the script's answer. `owns`: whether the session exists and belongs to `owner` (an
 # unknown session and another owner's look the same: 'missing'). `pairs_of`: a flat
 # HGETALL-style list as [key, value] pairs, in its order (a Lua table as a map loses the order).
 _COMMON = """
-local function reply(t) return cmsgpack.pack(t) end
+local MC, MD = {}, {}
+local function mneed(...)
+  local want = {}
+  for _, f in ipairs({...}) do if MC[f] == nil then want[#want + 1] = f end end
+  if #want == 0 then return end
+  local got = redis.call('HMGET', K.meta, unpack(want))
+  for i, f in ipairs(want) do MC[f] = got[i] end
+end
+local function mget(f)
+  if MC[f] == nil then mneed(f) end
+  return MC[f]
+end
+local function mset(f, v)
+  MC[f] = v
+  MD[f] = true
+end
+local function mincr(f, n)
+  local v = (tonumber(mget(f)) or 0) + n
+  mset(f, v)
+  return v
+end
+local function mflush()
+  local set, del = {}, {}
+  for f in pairs(MD) do
+    if MC[f] == false then del[#del + 1] = f else set[#set + 1] = f; set[#set + 1] = MC[f] end
+  end
+  MD = {}
+  if #set > 0 then redis.call('HSET', K.meta, unpack(set)) end
+  if #del > 0 then redis.call('HDEL', K.meta, unpack(del)) end
+end
+local function mmade()  -- a session made by this script is in Redis before its key's expiry is read
+  if MD.owner then mflush() end
+end
+local function reply(t)
+  mflush()
+  return cmsgpack.pack(t)
+end
 local function owns(owner)
-  local found = redis.call('HGET', K.meta, 'owner')
+  local found = mget('owner')
   return found ~= false and found == owner
 end
 local function pairs_of(flat)
@@ -85,7 +126,7 @@ local first_seq = 0
 local last_seq = 0
 local last_id = false
 local function emit(retention, etype, body)
-  local seq = redis.call('HINCRBY', K.meta, 'seq', 1)
+  local seq = mincr('seq', 1)
   if first_seq == 0 then first_seq = seq end
   last_seq = seq
   last_id = redis.call('XADD', K.outbox, 'MAXLEN', '~', retention, '*', 's', seq, 't', etype, 'b', body)
@@ -103,6 +144,7 @@ local function heard()
 end
 local plain_reply = reply
 reply = function(t)
+  mmade()
   if last_id then
     local age = tonumber(ARGV[3] or 0)
     if age and age > 0 then
@@ -139,6 +181,7 @@ local function keep_events(ttl_ms, age)  -- the outbox: until its newest event i
   redis.call('PEXPIREAT', K.outbox, at)
 end
 local function keep(ttl_ms)
+  mmade()
   local left = redis.call('PTTL', K.meta)
   if ttl_ms > 0 and left > ttl_ms - math.min(ttl_ms / 100, 3600000) then return end
   if ttl_ms <= 0 and left == -1 then return end
@@ -152,6 +195,7 @@ local function keep(ttl_ms)
   end
 end
 local function expire_with_meta(key)
+  mmade()
   local at = redis.call('PEXPIRETIME', K.meta)
   if at > 0 then redis.call('PEXPIREAT', key, at) elseif at == -1 then redis.call('PERSIST', key) end
 end
@@ -161,9 +205,10 @@ end
 # session its message is for).
 _CREATE = """
 local function create_session(C)
-  redis.call('HSET', K.meta, 'owner', C.owner, 'created_at', C.created_at, 'updated_at', C.created_at,
-    'metadata', C.metadata, 'status', 'idle', 'seq', 0, 'fence', 0, 'turn', '', 'turn_start', 0,
-    'hist_start', 0, 'waiting_on', '', 'undecided', 0, 'cancel', '')
+  local fields = {owner = C.owner, created_at = C.created_at, updated_at = C.created_at, metadata = C.metadata,
+    status = 'idle', seq = 0, fence = 0, turn = '', turn_start = 0, hist_start = 0, waiting_on = '', undecided = 0,
+    cancel = ''}
+  for f, v in pairs(fields) do mset(f, v) end
   return emit(C.retention, EV.SessionCreated, C.body)
 end
 """
@@ -174,7 +219,7 @@ CREATE = (
     + _KEEP
     + _CREATE
     + """
-if redis.call('EXISTS', K.meta) == 1 then return reply({tag = 'exists'}) end
+if mget('owner') then return reply({tag = 'exists'}) end
 local id = create_session(A)
 keep(A.ttl_ms)
 return reply({tag = 'ok', id = id, seq = first_seq})
@@ -190,7 +235,7 @@ if not owns(A.owner) then return reply({tag = 'missing'}) end
 if A.max_queued > 0 and redis.call('LLEN', K.inbox) > A.max_queued then return reply({tag = 'full'}) end
 redis.call('RPUSH', K.inbox, A.entry)
 expire_with_meta(K.inbox)
-if redis.call('HGET', K.meta, 'status') == 'idle' then redis.call('HSET', K.meta, 'status', 'running') end
+if mget('status') == 'idle' then mset('status', 'running') end
 return reply({tag = 'ok'})
 """
 )
@@ -202,13 +247,14 @@ RESPOND = (
     + _EMIT
     + _KEEP
     + """
+mneed('owner', 'cancel', 'waiting_on', 'undecided', 'status', 'seq')
 if not owns(A.owner) then return reply({tag = 'missing'}) end
 local request = redis.call('HGET', K.pending, A.request_id)
 if not request then return reply({tag = 'unknown'}) end
 local prev = redis.call('HGET', K.decisions, A.request_id)
 if prev then return reply({tag = 'answered', answer = prev}) end
 local turn_id = cjson.decode(request).turn_id
-if redis.call('HGET', K.meta, 'cancel') == turn_id then
+if mget('cancel') == turn_id then
   return reply({tag = 'answered', answer = '{"decision":"withdrawn"}'})
 end
 redis.call('HSET', K.decisions, A.request_id, A.answer)
@@ -220,12 +266,10 @@ if A.message_id ~= '' and redis.call('HSETNX', K.mids, A.message_id, turn_id .. 
   remembered(A.message_id)
 end
 local left = -1
-local waiting_on = ' ' .. (redis.call('HGET', K.meta, 'waiting_on') or '') .. ' '
+local waiting_on = ' ' .. (mget('waiting_on') or '') .. ' '
 if string.find(waiting_on, ' ' .. A.request_id .. ' ', 1, true) then
-  left = redis.call('HINCRBY', K.meta, 'undecided', -1)
-  if left <= 0 and redis.call('HGET', K.meta, 'status') == 'waiting' then
-    redis.call('HSET', K.meta, 'status', 'running')
-  end
+  left = mincr('undecided', -1)
+  if left <= 0 and mget('status') == 'waiting' then mset('status', 'running') end
 end
 return reply({tag = 'ok', id = id, seq = first_seq, body = resolved, left = left})
 """
@@ -252,7 +296,7 @@ if not head then return reply({tag = 'idle'}) end
 local m = cjson.decode(head)
 if m.kind and m.kind ~= 'message' then return reply({tag = 'idle'}) end
 if A.turn_id ~= '' and A.turn_id ~= m.turn_id then return reply({tag = 'idle'}) end
-redis.call('HSET', K.meta, 'cancel', m.turn_id)
+mset('cancel', m.turn_id)
 return reply({tag = 'ok', turn_id = m.turn_id})
 """
 )
@@ -274,7 +318,7 @@ RELEASE = (
     + """
 if redis.call('GET', K.lease) ~= A.fence then return reply({held = false}) end
 redis.call('DEL', K.lease)
-redis.call('HSET', K.meta, 'held', 0)
+mset('held', 0)
 return reply({held = true})
 """
 )
@@ -286,7 +330,7 @@ FORK_READ = (
     _COMMON
     + """
 if not owns(A.owner) then return reply({tag = 'missing'}) end
-local m = redis.call('HMGET', K.meta, 'metadata', 'title', 'turn', 'turn_start', 'hist_start', 'hist_base')
+local m = {mget('metadata'), mget('title'), mget('turn'), mget('turn_start'), mget('hist_start'), mget('hist_base')}
 local out = {tag = 'ok', metadata = m[1], title = m[2] or '', turn = m[3] or '', turn_start = tonumber(m[4]),
   hist_start = tonumber(m[5]), items = redis.call('LRANGE', K.history, tonumber(m[5]) - tonumber(m[6] or 0), -1)}
 if A.message_id ~= '' then
@@ -310,14 +354,15 @@ FORK = (
     + _KEEP
     + _CREATE
     + """
-if redis.call('EXISTS', K.meta) == 1 then return reply({tag = 'exists'}) end
+if mget('owner') then return reply({tag = 'exists'}) end
 local id = create_session(A.create)
 local length = 0
 for j = 1, #A.items, 1000 do  -- (unpack has a limit: a long history goes in slices)
   length = redis.call('RPUSH', K.history, unpack(A.items, j, math.min(j + 999, #A.items)))
 end
-redis.call('HSET', K.meta, 'turn_start', length, 'preview', A.preview)
-if A.title ~= '' then redis.call('HSET', K.meta, 'title', A.title) end
+mset('turn_start', length)
+mset('preview', A.preview)
+if A.title ~= '' then mset('title', A.title) end
 -- the copied messages' ids are the fork's too (sent again, the same message; edited, a fork again)
 for _, m in ipairs(A.mids) do
   redis.call('HSET', K.mids, m[1], m[2] .. ' ' .. id)
@@ -335,10 +380,10 @@ UPDATE = (
     + """
 if not owns(A.owner) then return reply({tag = 'missing'}) end
 if A.metadata then
-  if redis.call('HGET', K.meta, 'metadata') ~= A.expected then return reply({tag = 'changed'}) end
-  redis.call('HSET', K.meta, 'metadata', A.metadata)
+  if mget('metadata') ~= A.expected then return reply({tag = 'changed'}) end
+  mset('metadata', A.metadata)
 end
-if A.title then redis.call('HSET', K.meta, 'title', A.title) end
+if A.title then mset('title', A.title) end
 return reply({tag = 'ok'})
 """
 )
@@ -372,7 +417,7 @@ for _, d in ipairs(A.destinations) do named[d] = true end
 for _, d in ipairs(redis.call('SMEMBERS', K.relays)) do
   if not named[d] then return reply({tag = 'changed'}) end
 end
-local turn_id = redis.call('HGET', K.meta, 'turn') or ''
+local turn_id = mget('turn') or ''
 redis.call('UNLINK', unpack(KEYS))
 return reply({tag = 'ok', turn_id = turn_id})
 """

@@ -13,11 +13,14 @@ from harness.store.lua import _COMMON, _CREATE, _EMIT, _KEEP
 # same request (turn calls only, for compaction's threshold), and its usage.recorded.
 _USAGE = """
 local function record_usage(retention, u)
-  redis.call('HINCRBY', K.meta, 'u_in', u.input_tokens)
-  redis.call('HINCRBY', K.meta, 'u_out', u.output_tokens)
-  redis.call('HINCRBY', K.meta, 'u_cached', u.cached_tokens)
-  if u.cache_write_tokens > 0 then redis.call('HINCRBY', K.meta, 'u_cwrite', u.cache_write_tokens) end
-  if u.last_est then redis.call('HSET', K.meta, 'last_in', u.input_tokens, 'last_est', u.last_est) end
+  mincr('u_in', u.input_tokens)
+  mincr('u_out', u.output_tokens)
+  mincr('u_cached', u.cached_tokens)
+  if u.cache_write_tokens > 0 then mincr('u_cwrite', u.cache_write_tokens) end
+  if u.last_est then
+    mset('last_in', u.input_tokens)
+    mset('last_est', u.last_est)
+  end
   return emit(retention, EV.UsageRecorded, u.body)
 end
 """
@@ -47,8 +50,12 @@ end
 
 _BEGIN_TURN = """
 local function begin_turn(B)
-  local meta = redis.call('HMGET', K.meta, 'owner', 'cancel', 'status', 'undecided', 'turn', 'hist_start',
-    'turn_start', 'waiting_on', 'last_in', 'last_est', 'held', 'created_at', 'hist_base')
+  local names = {'owner', 'cancel', 'status', 'undecided', 'turn', 'hist_start', 'turn_start', 'waiting_on',
+    'last_in', 'last_est', 'held', 'created_at', 'hist_base'}
+  mneed(unpack(names))
+  mneed('fence', 'seq', 'u_calls')
+  local meta = {}
+  for i, f in ipairs(names) do meta[i] = MC[f] end
   if not meta[1] then return {tag = 'missing'} end
   local head = redis.call('LINDEX', K.inbox, 0)
   if not head then return {tag = 'empty'} end
@@ -59,7 +66,7 @@ local function begin_turn(B)
   end
   local holder = redis.call('GET', K.lease)
   if holder and holder ~= B.fence then return {tag = 'busy', retry_ms = redis.call('PTTL', K.lease)} end
-  local fence = redis.call('HINCRBY', K.meta, 'fence', 1)
+  local fence = mincr('fence', 1)
   redis.call('SET', K.lease, fence, 'PX', B.lease_ms)
   -- the turn in progress was held by a runner that never paused or ended it: its lease lapsed
   local out = {tag = 'ok', fence = fence, head = head, cancel = cancel,
@@ -72,12 +79,13 @@ local function begin_turn(B)
   if meta[5] ~= m.turn_id then
     if kind == 'message' then apply_sticky(m.sticky) end
     turn_start, waiting_on = length, ''
-    redis.call('HSET', K.meta, 'turn', m.turn_id, 'turn_start', turn_start, 'status', 'running',
-      'waiting_on', '', 'undecided', 0, 'held', 1)
+    local turn = {turn = m.turn_id, turn_start = turn_start, status = 'running', waiting_on = '', undecided = 0,
+      held = 1}
+    for f, v in pairs(turn) do mset(f, v) end
     local started = nil
     if kind == 'message' then
       started = {EV.TurnStarted, '{"message_id":' .. cjson.encode(m.message_id) .. '}'}
-      if not cancel then redis.call('HINCRBY', K.meta, 'u_calls', 1) end  -- the model call that comes next
+      if not cancel then mincr('u_calls', 1) end  -- the model call that comes next
     elseif kind == 'compact' then
       started = {EV.CompactionRequested, '{"reason":"manual"}'}
     end
@@ -87,7 +95,8 @@ local function begin_turn(B)
       out.started_seq = last_seq
     end
   else
-    redis.call('HSET', K.meta, 'status', 'running', 'held', 1)
+    mset('status', 'running')
+    mset('held', 1)
   end
   local start = tonumber(meta[6])
   local from = start
@@ -130,7 +139,9 @@ SUBMIT = (
     + _BEGIN_TURN
     + """
 local created = nil
-if A.create and redis.call('EXISTS', K.meta) == 0 then created = create_session(A.create) end
+mneed('owner', 'turn', 'status', 'title', 'seq', 'interrupts', 'cancel', 'undecided', 'hist_start', 'turn_start',
+  'waiting_on', 'last_in', 'last_est', 'held', 'created_at', 'hist_base', 'fence', 'u_calls')  -- (begin's too)
+if A.create and not mget('owner') then created = create_session(A.create) end
 if not owns(A.owner) then return reply({tag = 'missing'}) end
 local prev = redis.call('HGET', K.mids, A.message_id)
 if prev then
@@ -145,15 +156,16 @@ if h and A.policy == 'reject' then return reply({tag = 'rejected'}) end
 if A.max_queued > 0 and redis.call('LLEN', K.inbox) > A.max_queued then return reply({tag = 'full'}) end
 -- the list's view of the session: its latest activity, the start of its last message, and its
 -- title until one is set (the start of its first message)
-redis.call('HSET', K.meta, 'updated_at', A.at, 'preview', A.preview)
-redis.call('HSETNX', K.meta, 'title', A.title)
+mset('updated_at', A.at)
+mset('preview', A.preview)
+if not mget('title') then mset('title', A.title) end
 local function known_as(turn_id, id)  -- the message id's turn and event, once and for all
   redis.call('HSET', K.mids, A.message_id, turn_id .. ' ' .. id)
   if redis.call('HLEN', K.mids) == 1 then expire_with_meta(K.mids) end
   remembered(A.message_id)
 end
-local message_turn = h and (h.kind or 'message') == 'message' and h.turn_id == redis.call('HGET', K.meta, 'turn')
-if h and A.policy == 'steer' and message_turn and redis.call('HGET', K.meta, 'status') == 'running' then
+local message_turn = h and (h.kind or 'message') == 'message' and h.turn_id == mget('turn')
+if h and A.policy == 'steer' and message_turn and mget('status') == 'running' then
   -- joins the running turn: its next commit before a model call takes it (COMMIT)
   local steered = body(h.turn_id, A.at, A.steered)
   local id = emit(A.retention, EV.MessageSteered, steered)
@@ -170,23 +182,23 @@ if h and A.policy == 'interrupt' then
   -- the turn in progress ends as a cancel ends it (a compact or clear is not cancelled), and
   -- this message runs next, right behind it
   if (h.kind or 'message') == 'message' then
-    redis.call('HSET', K.meta, 'cancel', h.turn_id)
+    mset('cancel', h.turn_id)
     out.interrupted = h.turn_id
   end
   -- (behind the interrupts already waiting behind this head, in the order they came)
-  local last = redis.call('HGET', K.meta, 'interrupts')
+  local last = mget('interrupts')
   local pivot = head
   if last and redis.call('LPOS', K.inbox, last) then pivot = last end
   queued = redis.call('LINSERT', K.inbox, 'AFTER', pivot, A.entry)
-  redis.call('HSET', K.meta, 'interrupts', A.entry)
+  mset('interrupts', A.entry)
 else
   queued = redis.call('RPUSH', K.inbox, A.entry)
 end
 if queued == 1 then expire_with_meta(K.inbox) end
 if queued == 1 and A.begin and redis.call('EXISTS', K.lease) == 0 then
   out.began = begin_turn(A.begin)
-elseif redis.call('HGET', K.meta, 'status') == 'idle' then
-  redis.call('HSET', K.meta, 'status', 'running')
+elseif mget('status') == 'idle' then
+  mset('status', 'running')
 end
 keep(A.ttl_ms)
 return reply(out)
@@ -218,10 +230,11 @@ COMMIT = (
     + _USAGE
     + _STICKY
     + """
-if redis.call('EXISTS', K.meta) == 0 then return reply({tag = 'stale'}) end
+mneed('owner', 'turn', 'cancel', 'seq', 'u_in', 'u_out', 'u_cached', 'u_calls', 'hist_base', 'interrupts')
+if not mget('owner') then return reply({tag = 'stale'}) end
 local ids = {}
 if A.usage then ids[1] = record_usage(A.retention, A.usage) end
-local state = redis.call('HMGET', K.meta, 'turn', 'cancel')
+local state = {mget('turn'), mget('cancel')}
 if redis.call('GET', K.lease) ~= A.fence or state[1] ~= A.turn_id then
   return reply({tag = 'stale'})
 end
@@ -230,7 +243,7 @@ if A.guard and cancel then  -- what it would announce will not happen: the usage
   return reply({tag = 'dropped', ids = ids, length = 0, cancel = true, first_seq = first_seq, resolved = {}})
 end
 -- (indexes count from the history's first item ever: the list holds the active history only)
-local base = tonumber(redis.call('HGET', K.meta, 'hist_base') or 0)
+local base = tonumber(mget('hist_base') or 0)
 local held = redis.call('LLEN', K.history)
 local before = held + base
 local length = before
@@ -243,8 +256,8 @@ if A.rebase then
     redis.call('LTRIM', K.history, held, -1)
     base = base + held
   end
-  redis.call('HSET', K.meta, 'hist_start', before, 'turn_start', before + A.rebase, 'hist_base', base,
-    'last_in', 0, 'last_est', 0)
+  local rebased = {hist_start = before, turn_start = before + A.rebase, hist_base = base, last_in = 0, last_est = 0}
+  for f, v in pairs(rebased) do mset(f, v) end
 end
 for _, r in ipairs(A.requests) do redis.call('HSET', K.pending, r.request_id, r.json) end
 local resolved = {}  -- which of the given answers were set (and emitted), 0-based
@@ -258,7 +271,7 @@ for _, e in ipairs(A.events) do ids[#ids + 1] = emit(A.retention, e.type, e.body
 if not cancel then
   for _, e in ipairs(A.announce) do ids[#ids + 1] = emit(A.retention, e.type, e.body) end
 end
-if A.attempt and not cancel then redis.call('HINCRBY', K.meta, 'u_calls', 1) end
+if A.attempt and not cancel then mincr('u_calls', 1) end
 -- messages steered into the turn join it now, before the model call this commit precedes: as
 -- user items of the turn, after what it appended (the take and the items are one write)
 local steered = {}
@@ -276,9 +289,11 @@ end
 local out = {tag = 'ok', ids = ids, length = length, cancel = cancel, first_seq = first_seq, resolved = resolved,
   steered = steered}
 if A.mode == 'pause' then
-  redis.call('HSET', K.meta, 'waiting_on', table.concat(A.waiting_on, ' '), 'undecided', #A.waiting_on)
+  mset('waiting_on', table.concat(A.waiting_on, ' '))
+  mset('undecided', #A.waiting_on)
   if not cancel then
-    redis.call('HSET', K.meta, 'status', 'waiting', 'held', 0)
+    mset('status', 'waiting')
+    mset('held', 0)
     redis.call('DEL', K.lease)
     out.tag = 'paused'
   end
@@ -299,7 +314,7 @@ elseif A.mode == 'final' then
   end
   -- (they run first, but after the messages that interrupted the turn: those run next; an
   -- interrupt cancels the turn, so only a cancelled turn has them)
-  local last = cancel and redis.call('HGET', K.meta, 'interrupts')
+  local last = cancel and mget('interrupts')
   local pivot = last and redis.call('LPOS', K.inbox, last) and last or nil
   for j = 1, #waiting do
     if pivot then
@@ -313,18 +328,18 @@ elseif A.mode == 'final' then
     redis.call('DEL', K.steer)
     expire_with_meta(K.inbox)
   end
-  if last then redis.call('HDEL', K.meta, 'interrupts') end
+  if last then mset('interrupts', false) end
   local left = redis.call('LLEN', K.inbox)
-  redis.call('HSET', K.meta, 'turn', '', 'status', left > 0 and 'running' or 'idle', 'waiting_on', '', 'undecided', 0,
-    'held', 0)
-  if cancel then redis.call('HSET', K.meta, 'cancel', '') end
+  local ended = {turn = '', status = left > 0 and 'running' or 'idle', waiting_on = '', undecided = 0, held = 0}
+  for f, v in pairs(ended) do mset(f, v) end
+  if cancel then mset('cancel', '') end
   out.cancel = false
   out.tag = 'more'
   if left == 0 then redis.call('DEL', K.lease); out.tag = 'done' end
 end
 if A.mode ~= 'step' and A.at ~= '' then  -- a turn's end (or pause) is activity too
-  redis.call('HSET', K.meta, 'updated_at', A.at)
-  if A.preview ~= '' then redis.call('HSET', K.meta, 'preview', A.preview) end
+  mset('updated_at', A.at)
+  if A.preview ~= '' then mset('preview', A.preview) end
 end
 if held == 0 and length > before then expire_with_meta(K.history) end
 if #A.requests > 0 then expire_with_meta(K.pending) end
@@ -344,7 +359,8 @@ USAGE = (
     + _EMIT
     + _USAGE
     + """
-if redis.call('EXISTS', K.meta) == 0 then return reply({tag = 'stale'}) end
+mneed('owner', 'seq', 'u_in', 'u_out', 'u_cached')
+if not mget('owner') then return reply({tag = 'stale'}) end
 return reply({tag = 'ok', id = record_usage(A.retention, A.usage), seq = first_seq})
 """
 )
@@ -353,7 +369,7 @@ return reply({tag = 'ok', id = record_usage(A.retention, A.usage), seq = first_s
 ATTEMPT = (
     _COMMON
     + """
-if redis.call('EXISTS', K.meta) == 0 then return reply({n = -1}) end
-return reply({n = redis.call('HINCRBY', K.meta, 'u_calls', 1)})
+if not mget('owner') then return reply({n = -1}) end
+return reply({n = mincr('u_calls', 1)})
 """
 )
