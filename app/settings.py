@@ -105,7 +105,7 @@ class Settings:
     max_body: int = 1_048_576
     body_timeout: float = 30.0
     run_turns: bool = True
-    runner_concurrency: int = 64
+    runner_concurrency: int = 256
     lease_ms: int = 5_000
     event_retention: int = 10_000
     event_retention_ms: int = DAY_MS  # events also leave the outbox once this old (hours in the environment)
@@ -161,7 +161,7 @@ class Settings:
             max_body=_int(env, "KEEL_MAX_BODY_BYTES", 1_048_576),
             body_timeout=_float(env, "KEEL_BODY_TIMEOUT_S", 30.0),
             run_turns=_flag(env, "KEEL_RUN_TURNS", default=True),
-            runner_concurrency=_int(env, "KEEL_RUNNER_CONCURRENCY", 64),
+            runner_concurrency=_int(env, "KEEL_RUNNER_CONCURRENCY", 256),
             lease_ms=_int(env, "KEEL_LEASE_MS", 5_000, low=500),
             event_retention=_int(env, "KEEL_EVENT_RETENTION", 10_000, low=100),
             event_retention_ms=max(1, round(_float(env, "KEEL_EVENT_RETENTION_HOURS", 24.0) * 3_600_000)),

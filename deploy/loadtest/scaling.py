@@ -36,7 +36,7 @@ HOST_CORES = 16
 VALKEY_CORES = 1  # Valkey runs commands (and Lua) on one thread: one core per server, whatever the host
 CLUSTER_PRIMARIES = 3
 MODEL_TURN_S = 5.0  # a real model's turn, for the concurrency a real load needs
-RUNNER_CONCURRENCY = 64  # KEEL_RUNNER_CONCURRENCY's default: sessions one process runs at once
+RUNNER_CONCURRENCY = 256  # KEEL_RUNNER_CONCURRENCY's default: sessions one process runs at once
 
 
 def spread(xs: list[float]) -> dict[str, float]:

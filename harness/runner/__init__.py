@@ -51,7 +51,7 @@ class Runner:
         store: Store,
         agent: Agent,
         *,
-        concurrency: int = 64,
+        concurrency: int = 256,
         lease_ms: int = 5_000,
         block_ms: int = 1_000,
         stats: HarnessStats | None = None,

@@ -41,7 +41,7 @@ class Harness:
         run_turns: bool = True,
         retention: int = 10_000,
         lease_ms: int = 5_000,
-        concurrency: int = 64,
+        concurrency: int = 256,
         rate_limit: RateLimit | None = None,
         token_rate: RateLimit | None = None,
         max_queued: int = 0,

@@ -31,6 +31,7 @@ from harness.types import MessagePolicy
 R_co = TypeVar("R_co", covariant=True)
 _pack = msgspec.msgpack.Encoder().encode
 _EVENT_TYPE = re.compile(r"\bEV\.([A-Z][A-Za-z]+)\b")
+KEYS_MEMO = 4096  # sessions whose keys a script keeps made (past that, it starts again)
 
 
 def _event_types(body: str) -> str:
@@ -49,9 +50,19 @@ class Script(Generic[R_co]):
         self.sha = hashlib.sha1(self.source.encode()).hexdigest()
         self.key_names = tuple(keys)
         self._decode = msgspec.msgpack.Decoder(reply).decode
+        self._of: dict[str, tuple[str, ...]] = {}  # session id -> its keys, as this script names them
 
     def keys(self, k: SessionKeys | DeliveryKeys | RelayKeys | QuotaKeys) -> list[str]:
         return [getattr(k, name) for name in self.key_names]
+
+    def session_keys(self, sid: str) -> tuple[str, ...]:
+        """`keys` of session `sid` (made once for the sessions used lately)."""
+        found = self._of.get(sid)
+        if found is None:
+            if len(self._of) >= KEYS_MEMO:
+                self._of.clear()
+            found = self._of[sid] = tuple(self.keys(SessionKeys(sid)))
+        return found
 
     @staticmethod
     def args(args: msgspec.Struct) -> list[bytes]:

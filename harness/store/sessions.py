@@ -197,7 +197,7 @@ class Store:
         await self.redis.ping()
 
     async def _run(self, script: p.Script[R], sid: str, args: msgspec.Struct, lazy: Sequence[Any] = ()) -> R:
-        keys = script.keys(SessionKeys(sid))
+        keys = script.session_keys(sid)
         if lazy:
             raw, *_ = await self.wire.script_with(script.sha, script.source, keys, script.args(args), (), lazy=lazy)
         else:
@@ -254,7 +254,7 @@ class Store:
         session.created (Conflict if the id is taken)."""
         destinations = await self.hooks.targets(owner)
         also = [relay_job(sid, d) for d in destinations]
-        keys = script.keys(SessionKeys(sid))
+        keys = script.session_keys(sid)
         lazy = catalog.touch(owner, sid, now, self.ttl_ms)
         raw, *_ = await self.wire.script_with(script.sha, script.source, keys, script.args(args), also, lazy=lazy)
         res = script.reply(raw)
@@ -549,7 +549,7 @@ class Store:
         the session's activity (its place in its owner's list) is then."""
         if look_first:
             await self.look(sid, owner)
-        keys = script.keys(SessionKeys(sid))
+        keys = script.session_keys(sid)
         also = [self.jobs.job(sid), *(relay_job(sid, d) for d in destinations)]
         lazy = catalog.touch(owner, sid, touch, self.ttl_ms) if touch is not None else []
         raw, job_id, *_ = await self.wire.script_with(
