@@ -86,7 +86,7 @@ def render(results: dict[str, Any]) -> str:
 
 def readme_table(text: str) -> str | None:
     """The table between README.md's bench markers, if it has them."""
-    found = re.search(re.escape(BEGIN) + r"\n(.*?)\n" + re.escape(END), text, re.S)
+    found = re.search(re.escape(BEGIN) + r"\n?(.*?)\n?" + re.escape(END), text, re.S)
     return found.group(1) if found else None
 
 

@@ -19,7 +19,7 @@ import contextlib
 import contextvars
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from harness.aio import cancel_and_wait
 from harness.errors import StaleLease
@@ -30,7 +30,7 @@ from harness.loop.outcomes import Final
 from harness.loop.turn import Turn
 from harness.runner.lease import Renewal
 from harness.runner.state import InHand, Phase
-from harness.store import Begun, Busy, JobId, JobQueue, NoWork, Store
+from harness.store import Begun, Busy, JobId, JobQueue, NoWork, Store, Submitted
 from harness.telemetry import tracing
 from harness.telemetry.logcontext import session_id, turn_id
 from harness.telemetry.metrics import HarnessStats
@@ -140,22 +140,52 @@ class Runner:
         self._take(sid, Phase.RESERVED)
         return True
 
-    def adopt(self, sid: str, job: JobId | None, begun: Begun | None) -> None:
-        """The reserved submit is done: run the turn it began, or (None) drain as usual; with
-        no job (the submit failed) just let the session go, draining what came meanwhile."""
-        held = self._hand[sid]
-        if begun is None:
-            self._slots.release()
-            del self._hand[sid]
-            for read in held.jobs:
-                self._run(sid, read)
-            for kicked in (held.kicked, job):  # (a message accepted meanwhile, and this one)
-                if kicked is not None:
-                    self.kick(sid, kicked)
+    def launch(self, sid: str, submit: Callable[[int], Awaitable[Submitted]]) -> asyncio.Future[Submitted]:
+        """The reserved session's SUBMIT (`submit(lease_ms)`, which may begin its turn), made by
+        the session's own task, which then runs the turn it began (or lets the session go, to
+        drain as usual): what the caller does meanwhile (it may go away) changes neither.
+        The SUBMIT's outcome comes in the future returned."""
+        outcome: asyncio.Future[Submitted] = asyncio.get_running_loop().create_future()
+        task = asyncio.create_task(
+            self._launched(sid, submit, outcome), name=f"keel-session-{sid}", context=contextvars.Context()
+        )
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+        return outcome
+
+    async def _launched(
+        self, sid: str, submit: Callable[[int], Awaitable[Submitted]], outcome: asyncio.Future[Submitted]
+    ) -> None:
+        try:
+            submitted = await submit(self.lease_ms)
+        except BaseException as exc:
+            self._let_go(sid, None)
+            if not outcome.done():
+                if isinstance(exc, asyncio.CancelledError):
+                    outcome.cancel()
+                else:
+                    outcome.set_exception(exc)  # (the caller's to answer: not the runner's failure)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
             return
-        if job is not None:
-            held.kick(job)
-        self._start(sid, begun, held=True)
+        if not outcome.done():
+            outcome.set_result(submitted)
+        if submitted.began is None:
+            self._let_go(sid, submitted.job)
+            return
+        self._hand[sid].kick(submitted.job)
+        await self._session(sid, submitted.began, held=True)
+
+    def _let_go(self, sid: str, job: JobId | None) -> None:
+        """A reserved SUBMIT began no turn (or failed: no job): the session goes, its jobs read
+        meanwhile and messages accepted meanwhile (and `job`) drained as usual."""
+        held = self._hand.pop(sid)
+        self._slots.release()
+        for read in held.jobs:
+            self._run(sid, read)
+        for kicked in (held.kicked, job):
+            if kicked is not None:
+                self.kick(sid, kicked)
 
     def _writes(self, sid: str) -> bool:
         """Whether this process writes a turn of the session now, or is about to (a SUBMIT that

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any, cast
 
 import msgspec
@@ -190,11 +190,14 @@ class Sessions:
         # back off the stream cannot start a second drain.
         runner = self.runner
         if runner is not None and await runner.reserve(sid):
-            # Shielded: a caller cancelled after SUBMIT began the turn must not strand its lease.
-            reserved = self._submit_reserved(
-                runner, sid, owner, message, create=create, deliver_to=deliver_to, policy=policy
-            )
-            submitted = await asyncio.shield(reserved)
+            # (made by the session's task: a caller cancelled after SUBMIT began the turn must
+            # not strand its lease)
+            def begin(lease_ms: int) -> Awaitable[Submitted]:
+                return self.store.submit(
+                    sid, owner, message, begin_lease_ms=lease_ms, create=create, deliver_to=deliver_to, policy=policy
+                )
+
+            submitted = await runner.launch(sid, begin)
         else:
             submitted = await self.store.submit(
                 sid, owner, message, create=create, deliver_to=deliver_to, policy=policy
@@ -211,35 +214,6 @@ class Sessions:
             handled="steered" if submitted.steered else "interrupting" if submitted.interrupted else "queued",
         )
         return result, submitted.began is not None
-
-    async def _submit_reserved(
-        self,
-        runner: Runner,
-        sid: str,
-        owner: str,
-        message: InboxMessage,
-        *,
-        create: dict[str, Any] | None,
-        deliver_to: str | None,
-        policy: MessagePolicy,
-    ) -> Submitted:
-        """SUBMIT that may begin the turn, then the runner runs what it began (or drains as
-        usual); the reservation is given back whatever happens."""
-        try:
-            submitted = await self.store.submit(
-                sid,
-                owner,
-                message,
-                begin_lease_ms=runner.lease_ms,
-                create=create,
-                deliver_to=deliver_to,
-                policy=policy,
-            )
-        except BaseException:
-            runner.adopt(sid, None, None)
-            raise
-        runner.adopt(sid, submitted.job, submitted.began)
-        return submitted
 
     async def admissible(self, sid: str, owner: str, message_id: str | None = None) -> None:
         """What `submit` (or a compact) would refuse as bad input, checked before a rate-limit

@@ -1,8 +1,11 @@
-"""A link to one Redis node: one connection, one call at a time, replies parsed by hiredis.
+"""A link to one Redis node: one connection, its replies parsed by hiredis.
 
 The wire's pools hold links. `RespLink` is an asyncio protocol of its own: the commands of a
 call go out in one write, and hiredis parses the replies as the bytes arrive, with no stream
-reader, no per-reply coroutine and no timer per read; a call's deadline is one timer. It
+reader, no per-reply coroutine and no timer per read; a call's deadline is one timer. Calls
+may overlap on it (a pool shares one for every call that does not block Redis): those that
+come while others are in flight go out together at the loop's next turn, so a busy process
+writes and wakes once for many calls, not once for each. It
 speaks to a node over TCP or a Unix socket, with AUTH and SELECT as the client's URL asks.
 For what it does not speak (TLS, a credential provider, RESP3, a connection class of the
 caller's) a pool uses `ClientLink`, the same calls over redis-py's own connection.
@@ -16,6 +19,7 @@ reused.
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, cast
 
@@ -65,13 +69,21 @@ class Link(Protocol):
     async def close(self) -> None: ...
 
 
+class _Call:
+    __slots__ = ("count", "future", "replies")
+
+    def __init__(self, count: int, future: asyncio.Future[list[Any]]) -> None:
+        self.count = count  # the replies it waits for
+        self.replies: list[Any] = []
+        self.future = future
+
+
 class RespLink(asyncio.Protocol):
     def __init__(self) -> None:
         self._reader = hiredis.Reader(replyError=_Reply)
         self._transport: asyncio.Transport | None = None
-        self._replies: list[Any] = []
-        self._expect = 0
-        self._waiter: asyncio.Future[list[Any]] | None = None
+        self._calls: deque[_Call] = deque()  # in flight, in the order they were written
+        self._out: list[bytes] = []  # calls' commands waiting for the next write
         self._broken = False  # data while idle, end-of-file, a failed or cut call: not reused
 
     # ---- the protocol --------------------------------------------------------------------
@@ -80,16 +92,20 @@ class RespLink(asyncio.Protocol):
         self._transport = cast(asyncio.Transport, transport)  # (uvloop's is not a subclass)
 
     def data_received(self, data: bytes) -> None:
-        waiter = self._waiter
-        if waiter is None:  # (nothing asked: a link that speaks out of turn is done)
+        calls = self._calls
+        if not calls:  # (nothing asked: a link that speaks out of turn is done)
             self._broken = True
             return
         self._reader.feed(data)
-        replies = self._replies
         while (reply := self._reader.gets()) is not False:
-            replies.append(error_of(str(reply)) if isinstance(reply, _Reply) else reply)
-        if len(replies) >= self._expect and not waiter.done():
-            waiter.set_result(replies)
+            call = calls[0]
+            call.replies.append(error_of(str(reply)) if isinstance(reply, _Reply) else reply)
+            if len(call.replies) == call.count:
+                calls.popleft()
+                if not call.future.done():  # (else its caller went away: the replies are let go)
+                    call.future.set_result(call.replies)
+                if not calls:
+                    break
 
     def eof_received(self) -> bool:
         self._broken = True
@@ -98,9 +114,10 @@ class RespLink(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._broken = True
         self._transport = None
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_exception(ConnectionError(f"Redis closed the connection: {exc or 'end of file'}"))
+        calls, self._calls = self._calls, deque()
+        for call in calls:
+            if not call.future.done():
+                call.future.set_exception(ConnectionError(f"Redis closed the connection: {exc or 'end of file'}"))
 
     # ---- the link ------------------------------------------------------------------------
 
@@ -114,37 +131,45 @@ class RespLink(asyncio.Protocol):
 
     async def call(self, data: bytes, count: int, deadline: float) -> list[Any]:
         """Write `data` (`count` commands), and the replies once all have come; TimeoutError
-        at `deadline` (loop time). Anything but the replies leaves the link broken."""
+        at `deadline` (loop time), which breaks the link (and fails the calls after it). Calls
+        may overlap: each one's commands go out in the order the calls came, in one write with
+        those of the others that came meanwhile, and each gets its own replies. A caller that
+        goes away (cancelled) leaves its replies to be read and let go."""
         transport = self._transport
         if transport is None or self._broken:
             raise ConnectionError("the connection to Redis is closed")
         loop = asyncio.get_running_loop()
-        waiter: asyncio.Future[list[Any]] = loop.create_future()
-        self._waiter = waiter
-        self._replies = []
-        self._expect = count
-        timer = loop.call_at(deadline, _expire, waiter)
-        try:
+        call = _Call(count, loop.create_future())
+        if self._calls or self._out:  # (others in flight: with the next write, at the loop's turn)
+            if not self._out:
+                loop.call_soon(self._flush)
+            self._out.append(data)
+        else:
             transport.write(data)
-            replies: list[Any] = await waiter
+        self._calls.append(call)
+        timer = loop.call_at(deadline, self._expire, call.future)
+        try:
+            replies: list[Any] = await call.future
             return replies
-        except BaseException:
-            self._broken = True
-            transport.abort()
-            raise
         finally:
             timer.cancel()
-            self._waiter = None
+
+    def _flush(self) -> None:
+        out, self._out = self._out, []
+        if self._transport is not None and out:
+            self._transport.write(b"".join(out))
+
+    def _expire(self, future: asyncio.Future[list[Any]]) -> None:
+        if not future.done():
+            future.set_exception(TimeoutError())
+            self._broken = True  # (its replies may still come: nothing after them can be trusted)
+            if self._transport is not None:
+                self._transport.abort()
 
     async def close(self) -> None:
         self._broken = True
         if self._transport is not None:
             self._transport.abort()
-
-
-def _expire(waiter: asyncio.Future[list[Any]]) -> None:
-    if not waiter.done():
-        waiter.set_exception(TimeoutError())
 
 
 async def open_resp(kwargs: dict[str, Any]) -> RespLink:

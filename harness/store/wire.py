@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from redis.asyncio import Redis
 from redis.asyncio.connection import AbstractConnection
@@ -21,7 +21,7 @@ from redis.exceptions import ConnectionError, NoScriptError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeout
 from redis.maint_notifications import MaintNotificationsConfig
 
-from harness.store.link import ClientLink, Link, open_resp, pack, speaks
+from harness.store.link import ClientLink, Link, RespLink, open_resp, pack, speaks
 from harness.store.streamids import LUA_NEWER
 
 TIMEOUT_S = 5.0  # a whole call, by default (redis-py's default socket timeout is 5 s per read)
@@ -34,8 +34,25 @@ class NotSent(ConnectionError):
     """The connection could not be made: nothing was sent, so the call may be tried again."""
 
 
+# Commands that may hold their connection (a blocking read, WAIT): such a call gets a link of
+# its own; every other call shares one (see `link.RespLink`).
+BLOCKING = frozenset({"BLPOP", "BRPOP", "BLMOVE", "BRPOPLPUSH", "BLMPOP", "BZPOPMIN", "BZPOPMAX", "BZMPOP"})
+BLOCKING_IF = frozenset({"XREAD", "XREADGROUP"})  # (with BLOCK)
+WAITS = frozenset({"WAIT", "WAITAOF"})
+
+
+def blocks(commands: Sequence[Sequence[Any]]) -> bool:
+    for command in commands:
+        name = command[0]
+        if name in BLOCKING or name in WAITS or (name in BLOCKING_IF and "BLOCK" in command):
+            return True
+    return False
+
+
 class Pool:
-    """Links to one Redis node, of its own (`link`): made from the client's settings, reused
+    """Links to one Redis node, of its own (`link`): made from the client's settings. Calls
+    that do not block share one link (their commands pipelined, written together when they
+    overlap); a blocking one, or any over a `ClientLink`, takes a link of its own, reused
     last-in first-out; one that showed data or end-of-file while idle (Redis restarted, say) is
     replaced before use. At most `limit` open at once."""
 
@@ -52,23 +69,21 @@ class Pool:
         self._max = limit
         self._idle: list[Link] = []
         self._in_use = 0
+        self._shared: RespLink | None = None
+        self._opening: asyncio.Future[RespLink] | None = None  # the shared link being made
         self._closed = False
 
     async def close(self) -> None:
-        """Close the idle links; one still in use is closed when its call ends."""
+        """Close the idle links and the shared one; one still in use is closed when its call ends."""
         self._closed = True
         idle, self._idle = self._idle, []
+        if self._shared is not None:
+            idle.append(self._shared)
+            self._shared = None
         for link in idle:
             await link.close()
 
-    async def _acquire(self) -> Link:
-        while self._idle:
-            link = self._idle.pop()
-            if await link.usable():
-                return link
-            await link.close()
-        if self._in_use >= self._max:
-            raise ConnectionError(f"too many Redis connections in use ({self._max})")
+    async def _open(self) -> Link:
         try:
             if self._resp:
                 return await open_resp(self._kwargs)
@@ -78,19 +93,60 @@ class Pool:
         except (ConnectionError, RedisTimeout, OSError, TimeoutError) as exc:
             raise NotSent(f"cannot connect to Redis: {exc}") from exc
 
+    async def _acquire(self) -> Link:
+        while self._idle:
+            link = self._idle.pop()
+            if await link.usable():
+                return link
+            await link.close()
+        if self._in_use >= self._max:
+            raise ConnectionError(f"too many Redis connections in use ({self._max})")
+        return await self._open()
+
+    async def _shared_link(self) -> RespLink:
+        """The link every call that does not block goes on (made once, by the first who needs it)."""
+        link = self._shared
+        if link is not None and link.reusable:
+            return link
+        if self._opening is None:
+            self._opening = asyncio.ensure_future(self._open_shared())
+        try:
+            return await asyncio.shield(self._opening)
+        finally:
+            if self._opening is not None and self._opening.done():
+                self._opening = None
+
+    async def _open_shared(self) -> RespLink:
+        link = cast(RespLink, await self._open())  # (a pool that shares speaks RESP itself)
+        if self._shared is not None:
+            await self._shared.close()
+        self._shared = link
+        return link
+
     async def call(self, commands: Sequence[Sequence[Any]]) -> list[Any]:
-        """Send `commands` in one write on a pooled link and read all their replies, as a
-        pipeline without a transaction does. An error reply comes back in its place as the
-        exception, not raised. A link that cannot be made raises `NotSent`; anything else that
-        goes wrong (a connection error, the deadline, a cancellation) drops the link, whose
-        replies may be unread, and is raised: the commands may have run."""
+        """Send `commands` in one write and read all their replies, as a pipeline without a
+        transaction does. An error reply comes back in its place as the exception, not raised.
+        A link that cannot be made raises `NotSent`; anything else that goes wrong (a connection
+        error, the deadline) is raised: the commands may have run. A caller cancelled on a link
+        of its own drops it (its replies may be unread); on the shared link its replies are read
+        and let go."""
+        data = pack(commands)
+        deadline = asyncio.get_running_loop().time() + self.timeout
+        if self._resp and not blocks(commands):
+            shared = await self._shared_link()
+            try:
+                return await shared.call(data, len(commands), deadline)
+            except TimeoutError:
+                raise RedisTimeout(f"no reply from Redis within {self.timeout:g}s") from None
         link = await self._acquire()
         self._in_use += 1
         try:
-            deadline = asyncio.get_running_loop().time() + self.timeout
-            return await link.call(pack(commands), len(commands), deadline)
+            return await link.call(data, len(commands), deadline)
         except TimeoutError:
             raise RedisTimeout(f"no reply from Redis within {self.timeout:g}s") from None
+        except BaseException:
+            await link.close()  # (a link of its own: its replies may be unread)
+            raise
         finally:
             self._in_use -= 1
             if link.reusable and len(self._idle) < IDLE_MAX and not self._closed:

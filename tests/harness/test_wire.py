@@ -138,7 +138,7 @@ async def test_a_link_whose_connection_went_while_idle_is_not_used_again(redis: 
     (mine,) = [c["id"] for c in await redis.client_list() if c["name"] == "keel-wire"]
     assert await redis.client_kill_filter(_id=mine) == 1  # (the wire's link, idle now)
     async with asyncio.timeout(5):  # (its end-of-file comes to the idle link soon)
-        while all(link.reusable for link in wire.pool._idle):  # noqa: ASYNC110 (no event for it)
+        while wire.pool._shared is not None and wire.pool._shared.reusable:  # noqa: ASYNC110 (no event for it)
             await asyncio.sleep(0.01)
     assert await wire.call([("PING",)]) == [b"PONG"]  # on a new link
     await wire.close()
@@ -157,3 +157,41 @@ async def test_a_connection_the_link_does_not_speak_goes_through_redis_py(valkey
     assert await wire.call([("GET", "t")]) == [b"2"]  # the same connection, in step
     await wire.close()
     await client.aclose()
+
+
+async def test_overlapping_calls_share_one_link_and_each_gets_its_own_replies(redis: Redis) -> None:
+    wire = Wire(redis)
+    await wire.call([("PING",)])
+    reads_before = int((await redis.info("stats"))["total_reads_processed"])
+    calls = [[("SET", f"k{n}", n), ("INCRBY", f"k{n}", n), ("LPUSH", f"k{n}", "x")] for n in range(200)]
+    replies = await asyncio.gather(*(wire.call(c) for c in calls))
+    for n, (ok, total, wrong) in enumerate(replies):
+        assert ok == b"OK" and total == 2 * n and isinstance(wrong, ResponseError)
+    # one connection, the calls written together: far fewer reads for Redis than calls
+    reads = int((await redis.info("stats"))["total_reads_processed"]) - reads_before
+    assert reads < 50, reads
+    assert wire.pool._idle == [] and wire.pool._shared is not None
+    await wire.close()
+
+
+async def test_a_caller_gone_from_the_shared_link_leaves_the_next_its_own_replies(redis: Redis) -> None:
+    wire = Wire(redis)
+    slow = "local n = 0 for i = 1, 3000000 do n = n + 1 end return n"
+    gone = asyncio.create_task(wire.call([("EVAL", slow, 0)]))
+    await asyncio.sleep(0)  # (its commands written)
+    after = asyncio.create_task(wire.call([("ECHO", "mine")]))
+    gone.cancel()
+    assert await after == [b"mine"]  # (not the slow script's 3000000)
+    assert await wire.call([("ECHO", "next")]) == [b"next"]
+    await wire.close()
+
+
+async def test_a_blocking_call_takes_a_link_of_its_own(redis: Redis) -> None:
+    wire = Wire(redis)
+    blocked = asyncio.create_task(wire.call([("BLPOP", "later", 10)]))
+    await blocked_clients(redis, 1)
+    async with asyncio.timeout(2):  # (on the shared link, not behind the BLPOP)
+        assert await wire.call([("ECHO", "free")]) == [b"free"]
+    await redis.rpush("later", "v")
+    assert await blocked == [[b"later", b"v"]]
+    await wire.close()
