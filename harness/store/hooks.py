@@ -10,6 +10,7 @@ second after it was made at the latest; one made or removed here, at once)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -40,6 +41,7 @@ class Subscriptions:
         self.redis = redis
         self._targets: dict[str, tuple[float, list[str]]] = {}  # owner -> (until, destinations)
         self._version: dict[str, int] = {}  # bumped when this process changes an owner's hooks
+        self._reading: dict[str, asyncio.Future[list[str]]] = {}  # owner -> its targets being read
 
     @translated
     async def add(self, sub: Subscription) -> None:
@@ -90,18 +92,31 @@ class Subscriptions:
 
     async def targets(self, owner: str) -> list[str]:
         """The relay destinations of the owner's active webhook subscriptions (an API key's: a
-        webhook channel's sessions, which it names the destination of, have none)."""
-        now = time.monotonic()
+        webhook channel's sessions, which it names the destination of, have none). Callers
+        that find the cache out of date together share one read."""
         cached = self._targets.get(owner)
-        if cached is not None and cached[0] > now:
+        if cached is not None and cached[0] > time.monotonic():
             return cached[1]
+        reading = self._reading.get(owner)
+        if reading is None:
+            reading = self._reading[owner] = asyncio.ensure_future(self._read_targets(owner))
+            reading.add_done_callback(lambda done: self._read(owner, done))
+        return await asyncio.shield(reading)  # (a caller that goes away leaves the read to the others)
+
+    async def _read_targets(self, owner: str) -> list[str]:
         version = self._version.get(owner, 0)
         destinations = [s.destination for s in await self.of(owner) if not s.disabled]
         if self._version.get(owner, 0) == version:  # (not changed here while it was read)
             if len(self._targets) >= TARGETS_MOST:
                 self._targets.clear()
-            self._targets[owner] = (now + TARGETS_TTL_S, destinations)
+            self._targets[owner] = (time.monotonic() + TARGETS_TTL_S, destinations)
         return destinations
+
+    def _read(self, owner: str, done: asyncio.Future[list[str]]) -> None:
+        if self._reading.get(owner) is done:
+            del self._reading[owner]
+        if not done.cancelled():
+            done.exception()  # (retrieved: a failed read is its callers' to see, not the loop's)
 
     def known_none(self, owner: str) -> bool:
         """Known here, without a round trip, to have no subscriptions."""
@@ -111,4 +126,5 @@ class Subscriptions:
     def _changed(self, owner: str) -> None:
         """The owner's subscriptions changed (in this process): read them again."""
         self._targets.pop(owner, None)
+        self._reading.pop(owner, None)  # (a read begun before the change is not the answer now)
         self._version[owner] = self._version.get(owner, 0) + 1
