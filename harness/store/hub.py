@@ -42,6 +42,10 @@ class Watch:
         self._woken = False  # woken since its reader last waited
         self._news = False  # ... by a commit (not only by live events): the reader reads
         self._live: list[LiveEvent] = []
+        # how many of `_live` came before the commits handed over here and not read yet (None:
+        # none are waiting). A commit made elsewhere is heard as a notice, and read from the
+        # stream with any made after it: the live events waiting go out before them all.
+        self._live_before: int | None = None
         self._waiter: asyncio.Future[bool] | None = None
         self.last_seq: int | None = None  # the seq its reader has read up to (None: read the stream)
         self.settled_only = settled_only  # local wake-ups only for commits that settle a turn
@@ -70,11 +74,18 @@ class Watch:
     def push_live(self, event: LiveEvent) -> None:
         if len(self._live) >= LIVE_MAX:
             del self._live[: LIVE_MAX // 2]
+            if self._live_before is not None:
+                self._live_before = max(0, self._live_before - LIVE_MAX // 2)
         self._live.append(event)
         self._signal()
 
-    def take_live(self) -> list[LiveEvent]:
-        live, self._live = self._live, []
+    def take_live(self, *, before_news: bool = False) -> list[LiveEvent]:
+        """The live events waiting; `before_news`: only those that came before the commits not
+        read yet (they go out before them; the others after)."""
+        n = len(self._live) if not before_news or self._live_before is None else self._live_before
+        live, self._live = self._live[:n], self._live[n:]
+        if self._live_before is not None:
+            self._live_before -= n
         return live
 
     @property
@@ -94,6 +105,8 @@ class Watch:
             self._woken = True
 
     def push(self, events: list[StoredEvent]) -> None:
+        if self._live_before is None:  # (committed here: the live events after them go out after them)
+            self._live_before = len(self._live)
         if len(self._pushed) + len(events) > PUSHED_MAX:
             self._overflow = True
         else:
@@ -105,6 +118,7 @@ class Watch:
         or a commit made elsewhere since it last looked)."""
         pushed, overflow, elsewhere = self._pushed, self._overflow, self._elsewhere
         self._pushed, self._overflow, self._elsewhere = [], False, False
+        self._live_before = None  # (what the reader reads now, or from the stream, is all there was)
         if overflow or elsewhere or self.last_seq is None or not pushed:
             return None
         fresh = sorted((e for e in pushed if e.seq > self.last_seq), key=lambda e: e.seq)

@@ -196,8 +196,8 @@ class Outbox:
                 if watch.ended is not None:
                     yield session_deleted(sid, watch.ended)
                     return
-                if replayed:  # live events that came before a commit go out before it
-                    for live in watch.take_live():
+                if replayed:  # live events that came before a commit go out before it (not later ones)
+                    for live in watch.take_live(before_news=True):
                         if live.item_id not in completed:
                             yield live
                 if read:
@@ -215,7 +215,7 @@ class Outbox:
                         yield session_deleted(sid, "gone")
                         return
                 replayed = True
-                for live in watch.take_live():
+                for live in watch.take_live(before_news=True):  # (those after a commit: once it is read)
                     if live.item_id not in completed:
                         yield live
                 # (events held back, were their mark not to come: a look soon, not at the heartbeat)

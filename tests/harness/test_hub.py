@@ -101,3 +101,27 @@ async def test_commit_notices_are_published_only_for_readers_in_another_process(
         assert seen[0] == "message.received"
     finally:
         await reader.aclose()  # type: ignore[attr-defined]
+
+
+async def test_a_reader_gets_the_events_in_the_order_they_came_live_and_committed(make_harness: Any) -> None:
+    """A turn begun by the message's own SUBMIT streams at once, before the reader is back: the
+    reader still sends message.received and turn.started before the reply's first delta, and
+    the deltas before the message.completed that ends them."""
+    agent = Agent(instructions="t", model=ScriptedModel(lambda r: ModelReply(text="a reply in parts"), chunk=3))
+    h = await make_harness(agent)
+    sid = await h.sessions.create("anon")
+    reader = h.sessions.tail(sid, "0", heartbeat=60.0)
+    try:
+        assert (await anext(reader)).type == "session.created"
+        await h.sessions.submit(sid, "anon", "hello")
+        seen: list[str] = []
+        async with asyncio.timeout(5):
+            while not seen or seen[-1] != "turn.completed":
+                event = await anext(reader)
+                if event is not None:
+                    seen.append(event.type)
+        first_delta = seen.index("message.delta")
+        assert seen[:first_delta] == ["message.received", "turn.started"], seen
+        assert seen.index("message.completed") > first_delta
+    finally:
+        await reader.aclose()  # type: ignore[attr-defined]
