@@ -27,3 +27,15 @@ def test_a_forked_child_does_not_repeat_its_parents_ids() -> None:
     os.close(read)
     parent = [new_id("it") for _ in range(3)]
     assert {c[-16:] for c in child}.isdisjoint(p[-16:] for p in parent)
+
+
+def test_an_id_starts_with_its_milliseconds_so_ids_sort_by_time() -> None:
+    from harness import ids
+
+    alphabet = "0123456789abcdefghjkmnpqrstvwxyz"
+    for ms in (0, 1, 1_796_527_358_192, 2**50 - 1):
+        text = ids._ms_text(ms)
+        assert len(text) == 10
+        assert sum(alphabet.index(c) << (5 * (9 - n)) for n, c in enumerate(text)) == ms
+    made = [ids._ms_text(ms) for ms in (5, 1_000, 1_796_527_358_192, 1_796_527_358_193)]
+    assert made == sorted(made)
