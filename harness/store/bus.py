@@ -196,6 +196,8 @@ class Bus:
             self._spawn(self._unnamed(session_of(channel)))
 
     async def _unnamed(self, sid: str) -> None:
+        if sid in self._readers:  # (a reader came back meanwhile: its subscription names it again)
+            return
         with contextlib.suppress(Exception):  # (else its name lapses after READERS_TTL_S)
             await self._name_as_reader(sid, 0)
 

@@ -328,21 +328,21 @@ class EventHub:
         process writes, whose commits come published here, not from Redis."""
         w = Watch(settled_only=settled_only, live=live)
         self._watches.setdefault(sid, set()).add(w)
-        self.follow(sid, w, deferred=deferred)
-        return w
-
-    def follow(self, sid: str, w: Watch, *, deferred: bool = False) -> None:
-        """The watch hears commits made elsewhere (a deferred one: from now on)."""
-        waiting = self._deferred.get(sid)
-        if waiting is not None and w in waiting:
-            if deferred:
-                return
-            waiting.discard(w)
-            if not waiting:
-                del self._deferred[sid]
         if deferred:
             self._deferred.setdefault(sid, set()).add(w)
         elif self._bus is not None:
+            self._bus.follow(sid)
+        return w
+
+    def follow(self, sid: str, w: Watch) -> None:
+        """A deferred watch hears commits made elsewhere from now on (one that does: nothing)."""
+        waiting = self._deferred.get(sid)
+        if waiting is None or w not in waiting:
+            return
+        waiting.discard(w)
+        if not waiting:
+            del self._deferred[sid]
+        if self._bus is not None:
             self._bus.follow(sid)
 
     def close_watch(self, sid: str, w: Watch) -> None:
