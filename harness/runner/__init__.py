@@ -40,8 +40,10 @@ log = logging.getLogger("keel.runner")
 COVERED_MAX = 50_000  # sessions remembered as covered; past that the memo restarts (costs a BEGIN)
 READ_BATCH = 64  # jobs read from the stream at once
 # Jobs of sessions in hand here need reading only for recovery, and one read per turn costs CPU:
-# when reads bring only such jobs, less than twice this apart, the next read waits this long
-# (a job of another process's waits at most this much longer).
+# when a stream's reads bring only such jobs, less than twice its pause apart, its next read waits
+# that long: this times the number of job streams (8 on a cluster: 40 ms each, so that together
+# they are read as often as one stream is), and a job of another process's on a stream read so
+# waits at most that much longer.
 OWN_JOBS_PAUSE_S = 0.005
 
 
@@ -208,6 +210,7 @@ class Runner:
         await queue.ensure_group()
         reclaim_every = max(self.lease_ms / 1000, 1.0)
         next_reclaim = last_own_read = 0.0
+        pause = OWN_JOBS_PAUSE_S * len(self.jobs.queues)  # (the streams together: one read every 5 ms)
         loop = asyncio.get_running_loop()
         while not self._leaving.is_set():
             try:
@@ -221,8 +224,8 @@ class Runner:
                 now, last_read = loop.time(), last_own_read
                 if jobs and sum(self._job(job, sid) for job, sid in jobs) == len(jobs) < READ_BATCH:
                     last_own_read = now
-                    if now - last_read < 2 * OWN_JOBS_PAUSE_S:  # they come often: batch them
-                        await asyncio.sleep(OWN_JOBS_PAUSE_S)
+                    if now - last_read < 2 * pause:  # they come often: batch them
+                        await asyncio.sleep(pause)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
