@@ -76,7 +76,7 @@ slack-demo: install
 	$(BIN)/python deploy/slack_demo.py
 
 # Every ratio keel is held to (in-process, HTTP, cluster, memory), medians of 3 runs: prints the
-# table and writes deploy/bench/results.json (about 10 min). BENCH_ARGS=--readme also makes
+# table and writes deploy/bench/results.json (a few minutes). BENCH_ARGS=--readme also makes
 # README.md's table again from it.
 bench: install
 	$(BIN)/python deploy/bench/suite.py $(BENCH_ARGS)
