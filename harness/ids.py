@@ -58,12 +58,39 @@ class _Random:
 
 
 _random = _Random()
-os.register_at_fork(after_in_child=_random.forget)
+_RAND_LIMIT = 1 << 80
+
+
+class _Last:
+    """The last id this process made, as (milliseconds, randomness): an id made in the same
+    millisecond (or after the clock stepped back) is the last one plus a random step, so this
+    process's ids sort in the order they were made (a listing's tie on one millisecond is
+    broken by the id), and still no two neighbours can be guessed from each other."""
+
+    ms = -1
+    rand = 0
+
+
+def _forget() -> None:
+    _random.forget()
+    _Last.ms = -1  # the child's next id starts fresh randomness, never its parent's sequence
+
+
+os.register_at_fork(after_in_child=_forget)
 
 
 def new_id(prefix: str) -> str:
-    """`prefix_` + 10 chars of milliseconds + 16 chars of randomness (80 bits)."""
-    n = int.from_bytes(_random.take(10))
+    """`prefix_` + 10 chars of milliseconds + 16 chars of randomness (80 bits); monotonic
+    within a process."""
+    ms = time.time_ns() // 1_000_000
+    if ms > _Last.ms:
+        n = int.from_bytes(_random.take(10))
+    else:  # the same millisecond: the last randomness and a step of 1 to 2**64
+        ms = _Last.ms
+        n = _Last.rand + 1 + int.from_bytes(_random.take(8))
+        if n >= _RAND_LIMIT:  # (2**16 ids in a millisecond at the least): the next millisecond's
+            ms, n = ms + 1, int.from_bytes(_random.take(10))
+    _Last.ms, _Last.rand = ms, n
     p = _PAIRS
     rand = (
         p[n >> 70]
@@ -75,4 +102,4 @@ def new_id(prefix: str) -> str:
         + p[(n >> 10) & 1023]
         + p[n & 1023]
     )
-    return f"{prefix}_{_ms_text(time.time_ns() // 1_000_000)}{rand}"
+    return f"{prefix}_{_ms_text(ms)}{rand}"
