@@ -145,10 +145,14 @@ async def test_an_sse_stream_counts_while_open(serve: Any) -> None:
         sid = (await c.post("/v1/sessions")).json()["session_id"]
         before = await scrape(c)
         async with c.stream("GET", f"/v1/sessions/{sid}/events") as r:
-            async for line in r.aiter_lines():
+            # (held in a name: a line iterator dropped after `break` is closed by the loop, and
+            # closes the stream with it, while the scrape below runs)
+            lines = r.aiter_lines()
+            async for line in lines:
                 if line.startswith("data: "):
                     break  # session.created arrived: the stream is open
             during = await scrape(c)
+            await lines.aclose()
     assert during[("keel_sse_streams_open", ())] == before[("keel_sse_streams_open", ())] + 1
 
 
