@@ -77,8 +77,14 @@ local function mflush()
   if #set > 0 then redis.call('HSET', K.meta, unpack(set)) end
   if #del > 0 then redis.call('HDEL', K.meta, unpack(del)) end
 end
+local meta_at = nil
 local function mmade()  -- a session made by this script is in Redis before its key's expiry is read
-  if MD.owner then mflush() end
+  if MD.owner then mflush(); meta_at = nil end
+end
+local function meta_expiry()  -- the meta's deadline (PEXPIRETIME: ms; -1 none; -2 no meta), read once a script
+  mmade()
+  if meta_at == nil then meta_at = redis.call('PEXPIRETIME', K.meta) end
+  return meta_at
 end
 local function reply(t)
   mflush()
@@ -119,6 +125,9 @@ end
 # A script that emitted trims the outbox of events older than ARGV[3] ms (0: kept by count
 # only; approximately: whole stream nodes) and has the stream expire that long after its newest
 # event (or with the session, if sooner): a session left alone keeps no events past the window.
+# It does so at most every hundredth of the window (`ob_due` in the meta: a busy session pays
+# for it once in a while, not every script), so the stream's expiry is set a hundredth beyond
+# the window: never before its newest event is that old, at most a hundredth after.
 # `body` is the stored tail of an envelope (harness.events.event_body), for the events whose
 # turn id only the script knows.
 _EMIT = """
@@ -147,10 +156,14 @@ reply = function(t)
   mmade()
   if last_id then
     local age = tonumber(ARGV[3] or 0)
-    if age and age > 0 then
-      redis.call('XTRIM', K.outbox, 'MINID', '~', now_ms() - age)
-      local left = redis.call('PTTL', K.meta)
-      redis.call('PEXPIRE', K.outbox, (left > 0 and left < age) and left or age)
+    local now = age and age > 0 and now_ms()
+    if now and now >= (tonumber(mget('ob_due')) or 0) then
+      local slack = math.max(1, math.floor(age / 100))
+      redis.call('XTRIM', K.outbox, 'MINID', '~', now - age)
+      local at = meta_expiry()
+      local left = at > 0 and at - now or -1
+      redis.call('PEXPIRE', K.outbox, (left > 0 and left < age + slack) and left or age + slack)
+      mset('ob_due', now + slack)
     end
     if heard() then redis.call('SPUBLISH', string.sub(K.meta, 1, -5) .. 'live', '@' .. last_id) end
   end
@@ -171,20 +184,22 @@ end
 # left as it is (so a busy session costs one PTTL a script, not a PEXPIRE per key).
 # `expire_with_meta` gives a key a script may have just made (a first approval request, a first
 # answer, ...) the deadline its meta has, without naming the others; every script calls it for
-# the keys it may have made, whether `keep` runs or not.
+# the keys it may have made, whether `keep` runs or not (`expire_new` for a key it knows it made:
+# nothing to do if the meta has no deadline). The meta's deadline is read once a script.
 _KEEP = """
-local function keep_events(ttl_ms, age)  -- the outbox: until its newest event is `age` old, at most
+local function keep_events(ttl_ms, age)  -- the outbox: until its newest event is `age` old (see `_EMIT`)
   local newest = redis.call('XREVRANGE', K.outbox, '+', '-', 'COUNT', 1)[1]
   if not newest then return end
-  local at = tonumber(string.match(newest[1], '^(%d+)')) + age
+  local at = tonumber(string.match(newest[1], '^(%d+)')) + age + math.max(1, math.floor(age / 100))
   if ttl_ms > 0 then at = math.min(at, now_ms() + ttl_ms) end
   redis.call('PEXPIREAT', K.outbox, at)
 end
 local function keep(ttl_ms)
-  mmade()
-  local left = redis.call('PTTL', K.meta)
+  local at = meta_expiry()
+  local left = at > 0 and math.max(at - now_ms(), 0) or at  -- (as PTTL says it)
   if ttl_ms > 0 and left > ttl_ms - math.min(ttl_ms / 100, 3600000) then return end
   if ttl_ms <= 0 and left == -1 then return end
+  meta_at = nil  -- (set anew below: read again if a key wants it after)
   local age = tonumber(ARGV[3] or 0) or 0
   for name, key in pairs(K) do
     if name == 'outbox' and age > 0 then
@@ -195,9 +210,12 @@ local function keep(ttl_ms)
   end
 end
 local function expire_with_meta(key)
-  mmade()
-  local at = redis.call('PEXPIRETIME', K.meta)
+  local at = meta_expiry()
   if at > 0 then redis.call('PEXPIREAT', key, at) elseif at == -1 then redis.call('PERSIST', key) end
+end
+local function expire_new(key)  -- a key this script made: it has no expiry yet
+  local at = meta_expiry()
+  if at > 0 then redis.call('PEXPIREAT', key, at) end
 end
 """
 

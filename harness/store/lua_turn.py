@@ -49,22 +49,22 @@ end
 """
 
 _BEGIN_TURN = """
-local function begin_turn(B)
+local function begin_turn(B, known_head)  -- (SUBMIT knows the head, and that the lease is free)
   local names = {'owner', 'cancel', 'status', 'undecided', 'turn', 'hist_start', 'turn_start', 'waiting_on',
     'last_in', 'last_est', 'held', 'created_at', 'hist_base'}
   mneed(unpack(names))
-  mneed('fence', 'seq', 'u_calls')
+  mneed('fence', 'seq', 'u_calls', 'ob_due')
   local meta = {}
   for i, f in ipairs(names) do meta[i] = MC[f] end
   if not meta[1] then return {tag = 'missing'} end
-  local head = redis.call('LINDEX', K.inbox, 0)
+  local head = known_head or redis.call('LINDEX', K.inbox, 0)
   if not head then return {tag = 'empty'} end
   local m = cjson.decode(head)
   local cancel = meta[2] == m.turn_id
   if meta[3] == 'waiting' and not cancel and tonumber(meta[4] or 0) > 0 then
     return {tag = 'waiting'}
   end
-  local holder = redis.call('GET', K.lease)
+  local holder = not known_head and redis.call('GET', K.lease)
   if holder and holder ~= B.fence then return {tag = 'busy', retry_ms = redis.call('PTTL', K.lease)} end
   local fence = mincr('fence', 1)
   redis.call('SET', K.lease, fence, 'PX', B.lease_ms)
@@ -140,7 +140,8 @@ SUBMIT = (
     + """
 local created = nil
 mneed('owner', 'turn', 'status', 'title', 'seq', 'interrupts', 'cancel', 'undecided', 'hist_start', 'turn_start',
-  'waiting_on', 'last_in', 'last_est', 'held', 'created_at', 'hist_base', 'fence', 'u_calls')  -- (begin's too)
+  'waiting_on', 'last_in', 'last_est', 'held', 'created_at', 'hist_base', 'fence', 'u_calls',
+  'ob_due')  -- (begin's too)
 if A.create and not mget('owner') then created = create_session(A.create) end
 if not owns(A.owner) then return reply({tag = 'missing'}) end
 local prev = redis.call('HGET', K.mids, A.message_id)
@@ -153,7 +154,7 @@ local head = redis.call('LINDEX', K.inbox, 0)
 local h = head and A.policy ~= 'queue' and cjson.decode(head) or nil
 if h and A.policy == 'reject' then return reply({tag = 'rejected'}) end
 -- (the inbox's head is the turn in progress: `max_queued` may wait behind it)
-if A.max_queued > 0 and redis.call('LLEN', K.inbox) > A.max_queued then return reply({tag = 'full'}) end
+if head and A.max_queued > 0 and redis.call('LLEN', K.inbox) > A.max_queued then return reply({tag = 'full'}) end
 -- the list's view of the session: its latest activity, the start of its last message, and its
 -- title until one is set (the start of its first message)
 mset('updated_at', A.at)
@@ -161,7 +162,7 @@ mset('preview', A.preview)
 if not mget('title') then mset('title', A.title) end
 local function known_as(turn_id, id)  -- the message id's turn and event, once and for all
   redis.call('HSET', K.mids, A.message_id, turn_id .. ' ' .. id)
-  if redis.call('HLEN', K.mids) == 1 then expire_with_meta(K.mids) end
+  if meta_expiry() > 0 and redis.call('HLEN', K.mids) == 1 then expire_new(K.mids) end
   remembered(A.message_id)
 end
 local message_turn = h and (h.kind or 'message') == 'message' and h.turn_id == mget('turn')
@@ -170,7 +171,7 @@ if h and A.policy == 'steer' and message_turn and mget('status') == 'running' th
   local steered = body(h.turn_id, A.at, A.steered)
   local id = emit(A.retention, EV.MessageSteered, steered)
   known_as(h.turn_id, id)
-  if redis.call('RPUSH', K.steer, A.entry) == 1 then expire_with_meta(K.steer) end
+  if redis.call('RPUSH', K.steer, A.entry) == 1 then expire_new(K.steer) end
   keep(A.ttl_ms)
   return reply({tag = 'new', id = id, seq = last_seq, steered = h.turn_id, body = steered})
 end
@@ -194,9 +195,9 @@ if h and A.policy == 'interrupt' then
 else
   queued = redis.call('RPUSH', K.inbox, A.entry)
 end
-if queued == 1 then expire_with_meta(K.inbox) end
+if queued == 1 then expire_new(K.inbox) end
 if queued == 1 and A.begin and redis.call('EXISTS', K.lease) == 0 then
-  out.began = begin_turn(A.begin)
+  out.began = begin_turn(A.begin, A.entry)
 elseif mget('status') == 'idle' then
   mset('status', 'running')
 end
@@ -230,7 +231,7 @@ COMMIT = (
     + _USAGE
     + _STICKY
     + """
-mneed('owner', 'turn', 'cancel', 'seq', 'u_in', 'u_out', 'u_cached', 'u_calls', 'hist_base', 'interrupts')
+mneed('owner', 'turn', 'cancel', 'seq', 'u_in', 'u_out', 'u_cached', 'u_calls', 'hist_base', 'interrupts', 'ob_due')
 if not mget('owner') then return reply({tag = 'stale'}) end
 local ids = {}
 if A.usage then ids[1] = record_usage(A.retention, A.usage) end
@@ -244,12 +245,13 @@ if A.guard and cancel then  -- what it would announce will not happen: the usage
 end
 -- (indexes count from the history's first item ever: the list holds the active history only)
 local base = tonumber(mget('hist_base') or 0)
-local held = redis.call('LLEN', K.history)
-local before = held + base
-local length = before
+local held = nil  -- (how many items the list held before this commit's)
 for j = 1, #A.items, 1000 do  -- (unpack has a limit: a long rebase goes in slices)
-  length = redis.call('RPUSH', K.history, unpack(A.items, j, math.min(j + 999, #A.items))) + base
+  held = redis.call('RPUSH', K.history, unpack(A.items, j, math.min(j + 999, #A.items))) - math.min(j + 999, #A.items)
 end
+held = held or redis.call('LLEN', K.history)
+local before = held + base
+local length = before + #A.items
 if A.rebase then
   -- the items the new active history replaces leave the list
   if held > 0 then
@@ -341,7 +343,7 @@ if A.mode ~= 'step' and A.at ~= '' then  -- a turn's end (or pause) is activity 
   mset('updated_at', A.at)
   if A.preview ~= '' then mset('preview', A.preview) end
 end
-if held == 0 and length > before then expire_with_meta(K.history) end
+if held == 0 and length > before then expire_new(K.history) end
 if #A.requests > 0 then expire_with_meta(K.pending) end
 if #resolved > 0 then expire_with_meta(K.decisions) end
 if A.mode ~= 'step' then keep(A.ttl_ms) end

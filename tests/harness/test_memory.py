@@ -58,7 +58,7 @@ async def test_a_session_left_alone_keeps_no_events_and_goes_on(make_harness: An
     sid = await h.sessions.create("o")
     await say(h, sid, "hello")
     keys = SessionKeys(sid)
-    assert 0 < await redis.pttl(keys.outbox) <= 300
+    assert 0 < await redis.pttl(keys.outbox) <= 303  # the window and a hundredth of it (see lua._EMIT)
 
     async def gone() -> bool:
         return not await redis.exists(keys.outbox)
