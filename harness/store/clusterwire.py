@@ -34,6 +34,9 @@ from harness.store.wire import QUIET, TIMEOUT_S, NotSent, Pool, Replicas, Wire, 
 log = logging.getLogger("keel.store")
 REDIRECT_S = 10.0  # how long a call follows redirections and waits out a failover
 BACKOFF_S = (0.02, 0.05, 0.1, 0.2, 0.4, 0.5)  # waits between tries that found no owner
+REFUSALS = (MovedError, AskError, TryAgainError, ClusterDownError)  # (followed: see `_refused`)
+# a rider's reply when the script it rode with was refused: it ran first, so it is sent again
+BEFORE_SCRIPT = TryAgainError("sent again after its script")
 
 
 def wire_for(client: Client, replicas: Replicas | None = None, origin: str = "") -> AnyWire:
@@ -42,6 +45,24 @@ def wire_for(client: Client, replicas: Replicas | None = None, origin: str = "")
     if isinstance(client, RedisCluster):
         return ClusterWire(client, replicas=replicas, origin=origin)
     return Wire(client, replicas=replicas, origin=origin)
+
+
+_SLOTS: dict[Any, int] = {}  # a key's slot, for the keys used lately (a session's, again and again)
+SLOTS_MEMO = 50_000
+
+
+def slot_of(command: Sequence[Any]) -> int:
+    """The slot `command` is routed to (by `key_of`)."""
+    name = command[0]
+    key = command[3] if name in ("EVALSHA", "EVAL") else command[1] if name != "XREADGROUP" else None
+    slot = _SLOTS.get(key) if key is not None else None
+    if slot is None:
+        slot = key_slot(key_of(command))
+        if key is not None:
+            if len(_SLOTS) >= SLOTS_MEMO:
+                _SLOTS.clear()
+            _SLOTS[key] = slot
+    return slot
 
 
 def key_of(command: Sequence[Any]) -> bytes:
@@ -83,9 +104,11 @@ class ClusterWire:
         """Each command on its slot's owner (one write per slot, the slots at once); every reply
         in order, an error reply as the exception in its place (as `Pool.call`). `durable`:
         each slot's commands wait for the replicas (`Replicas`), if the wire has any."""
+        if len(commands) == 1:
+            return await self._group(slot_of(commands[0]), list(commands), durable)
         by_slot: dict[int, list[int]] = {}
         for n, command in enumerate(commands):
-            by_slot.setdefault(key_slot(key_of(command)), []).append(n)
+            by_slot.setdefault(slot_of(command), []).append(n)
         replies: list[Any] = [None] * len(commands)
         groups = list(by_slot.items())
         sends = [self._group(slot, [commands[n] for n in idx], durable) for slot, idx in groups]
@@ -119,34 +142,62 @@ class ClusterWire:
         which live in other slots: a job added after the write it stands for, as on one server.
         Error replies are raised. Then `lazy`, whose loss is repaired later (an owner's list of
         sessions): not waited for by replicas, its failures let be (a node of the list down, or
-        its replica, is no reason to refuse a message that is safe)."""
+        its replica, is no reason to refuse a message that is safe).
+        Without replicas, those of `also` and `lazy` whose slot the script's node owns ride in
+        the script's write, after it (as on one server: run after the script, whatever it
+        answers); one refused there (its slot moved meanwhile) goes again the usual way."""
         evalsha: tuple[Any, ...] = ("EVALSHA", sha, len(keys), *keys, *args)
         batch: list[Sequence[Any]] = [(*evalsha, *self.argv)]
         if self.replicas is not None:  # (the notice once WAIT had its replicas, not from the script)
             batch = [(*evalsha, *QUIET, *self.argv[1:]), *self.replicas.sync(keys)]
-        slot = key_slot(key_of(evalsha))
+        slot = slot_of(evalsha)
+        extra = [*also, *lazy]
+        riding = self._riders(slot, extra) if self.replicas is None and extra and self._ready else []
+        batch += [extra[n] for n in riding]
         for attempt in range(2):
-            got = await self._on_slot(slot, batch, unit=self.replicas is not None)
+            got = await self._on_slot(slot, batch, unit=self.replicas is not None, riders=len(riding))
             reply = got[0]
             if isinstance(reply, NoScriptError) and attempt == 0:
                 await self._load(slot, source)
                 continue
-            raised(got)
+            raised(got[: len(got) - len(riding)])
             if self.replicas is not None:
                 await self._mark(slot, self.replicas, keys, got[1:])
             break
+        if not riding:
+            return await self._after(reply, also, lazy)
+        rode = dict(zip(riding, got[len(got) - len(riding) :], strict=True))
+        done = {n: r for n, r in rode.items() if not isinstance(r, Exception)}  # (else: sent again below)
+        left_also = [c for n, c in enumerate(also) if n not in done]
+        sent = raised(await self.call(left_also, durable=True)) if left_also else []
+        replies = iter(sent)
+        rest = [done[n] if n in done else next(replies) for n in range(len(also))]
+        left_lazy = [c for n, c in enumerate(lazy, start=len(also)) if n not in done]
+        await self._lazy(left_lazy)
+        return [reply, *rest]
+
+    async def _after(self, reply: Any, also: Sequence[Sequence[Any]], lazy: Sequence[Sequence[Any]]) -> list[Any]:
+        """A script's reply, and the replies of `also`, sent once it ran (then `lazy`)."""
         rest = raised(await self.call(also, durable=True)) if also else []
+        await self._lazy(lazy)
+        return [reply, *rest]
+
+    async def _lazy(self, lazy: Sequence[Sequence[Any]]) -> None:
         if lazy:
             try:
                 await self.call(lazy)
             except Exception as exc:  # (best effort: a page drops what is gone, the next activity adds it back)
                 log.warning("a lazy write after a script failed: %s", exc)
-        return [reply, *rest]
+
+    def _riders(self, slot: int, commands: Sequence[Sequence[Any]]) -> list[int]:
+        """Which of `commands` live on the node that owns `slot` (by the slot map as it is)."""
+        node = self._owner(slot).name
+        return [n for n, c in enumerate(commands) if self._owner(slot_of(c)).name == node]
 
     async def settle(self, keys: Sequence[Any]) -> None:
         """As `Wire.settle`, on the session's node."""
         if self.replicas is not None:
-            slot = key_slot(key_of(("EVAL", "", len(keys), *keys)))
+            slot = slot_of(("EVAL", "", len(keys), *keys))
             await self._mark(slot, self.replicas, keys, await self._on_slot(slot, self.replicas.sync(keys), unit=True))
 
     async def _mark(self, slot: int, replicas: Replicas, keys: Sequence[Any], synced: Sequence[Any]) -> None:
@@ -162,23 +213,29 @@ class ClusterWire:
     # ---- one slot ------------------------------------------------------------------------
 
     async def _on_slot(
-        self, slot: int, commands: list[Sequence[Any]], *, routed: bool = True, unit: bool = False
+        self, slot: int, commands: list[Sequence[Any]], *, routed: bool = True, unit: bool = False, riders: int = 0
     ) -> list[Any]:
         """`commands` (all in `slot`) on the slot's owner, redirections followed: a command
         refused with MOVED, ASK, TRYAGAIN or CLUSTERDOWN is sent again (with the others refused;
-        with `unit`, with all of them: a script and the WAIT after it), until `REDIRECT_S`."""
+        with `unit`, with all of them: a script and the WAIT after it), until `REDIRECT_S`.
+        The last `riders` commands are of other slots of the same node: sent with the first
+        write only, their replies (refusals too) as they came; if a command of `slot` was
+        refused in that write, theirs are BEFORE_SCRIPT (they ran before it: the caller sends
+        them again)."""
         if not self._ready:
             await self.cluster.initialize()
             self._ready = True
         loop = asyncio.get_running_loop()
         deadline = loop.time() + REDIRECT_S
         replies: list[Any] = [None] * len(commands)
-        todo = list(range(len(commands)))
+        everything = range(len(commands))
+        todo: Sequence[int] = everything
+        own = len(commands) - riders  # (the commands of `slot`; riders after them)
         ask: AskError | None = None
         tries = 0
         while True:
             node = self._asked(ask) if ask is not None else self._owner(slot)
-            batch: list[Sequence[Any]] = [commands[n] for n in todo]
+            batch = commands if todo is everything else [commands[n] for n in todo]
             try:
                 # (ASKING holds for the one command after it: one before each)
                 sent = [x for c in batch for x in (("ASKING",), c)] if ask is not None else batch
@@ -193,32 +250,44 @@ class ClusterWire:
                 continue
             if ask is not None:
                 got = got[1::2]
+            elif todo is everything and not any(isinstance(r, REFUSALS) for r in got):
+                return got  # (as nearly always: each reply as it came)
             ask = None
             again: list[int] = []
             wait = refresh = False
             for n, reply in zip(todo, got, strict=True):
                 replies[n] = reply
-                if not routed:
+                # (a rider's refusal is its caller's to send again)
+                how = await self._refused(reply) if routed and n < own and isinstance(reply, Exception) else None
+                if how is None:
                     continue
-                if isinstance(reply, MovedError):
-                    await self.cluster.nodes_manager.move_slot(reply)
-                elif isinstance(reply, AskError):
+                if isinstance(reply, AskError):
                     ask = reply  # (the commands of one slot are asked on together)
-                elif isinstance(reply, TryAgainError):
-                    wait = True  # (a multi-key command while its keys move: soon, all on one side)
-                elif isinstance(reply, ClusterDownError):
-                    wait = refresh = True
-                else:
-                    continue
+                wait, refresh = wait or how[0], refresh or how[1]
                 again.append(n)
+            if again and todo[-1] >= own:  # (the riders ran before their script: not after it)
+                replies[own:] = [BEFORE_SCRIPT] * riders
             if not again or loop.time() >= deadline:
                 return replies
-            todo = list(range(len(commands))) if unit else again
+            todo = everything if unit else again
             if wait:
                 await self._wait(tries)
                 tries += 1
             if refresh:
                 await self._refresh()
+
+    async def _refused(self, reply: Any) -> tuple[bool, bool] | None:
+        """Whether a reply is a refusal to follow, and how: (wait first, read the map again)."""
+        if isinstance(reply, MovedError):
+            await self.cluster.nodes_manager.move_slot(reply)
+            return False, False
+        if isinstance(reply, AskError):
+            return False, False
+        if isinstance(reply, TryAgainError):  # (a multi-key command while its keys move: soon, all on one side)
+            return True, False
+        if isinstance(reply, ClusterDownError):
+            return True, True
+        return None
 
     def _owner(self, slot: int) -> ClusterNode:
         return self.cluster.nodes_manager.get_node_from_slot(slot)

@@ -1,0 +1,95 @@
+"""A cluster's command path (harness/store/clusterwire.py): the commands that go with a script
+and live on its node ride in its write; one that ran before its script (the slot map was stale,
+the script refused with MOVED) is sent again once the script has run, so a message's job never
+comes before the message."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from redis.asyncio.cluster import RedisCluster
+from redis.crc import key_slot
+
+from harness.store.clusterwire import ClusterWire
+from harness.store.wire import Pool
+from tests.cluster import ValkeyCluster
+
+pytestmark = pytest.mark.slow
+
+SOURCE = "return redis.call('INCR', KEYS[1])"
+SHA = hashlib.sha1(SOURCE.encode()).hexdigest()
+
+
+@pytest.fixture
+async def wire(cluster: ValkeyCluster) -> AsyncIterator[tuple[ClusterWire, RedisCluster]]:
+    client = RedisCluster.from_url(cluster.url)
+    await client.initialize()
+    await client.flushall(target_nodes=RedisCluster.PRIMARIES)
+    w = ClusterWire(client)
+    yield w, client
+    await w.close()
+    await client.aclose()
+
+
+def keys_on(client: RedisCluster, same: bool) -> tuple[str, str]:
+    """A script's key and a job stream's: on one node, or on two."""
+    first = "s:{a}"
+    node = client.get_node_from_key(first).name
+    for n in range(1000):
+        other = f"jobs:{{{n}}}"
+        if (client.get_node_from_key(other).name == node) == same:
+            return first, other
+    raise AssertionError("no such key")
+
+
+def writes(monkeypatch: pytest.MonkeyPatch) -> list[list[Any]]:
+    """Every write the wire makes: its commands' names and keys."""
+    seen: list[list[Any]] = []
+    call = Pool.call
+
+    async def spy(self: Pool, commands: Any, *args: Any, **kw: Any) -> Any:
+        seen.append([tuple(c[:2]) for c in commands])
+        return await call(self, commands, *args, **kw)
+
+    monkeypatch.setattr(Pool, "call", spy)
+    return seen
+
+
+async def test_a_job_on_the_script_s_node_rides_in_its_write(
+    wire: tuple[ClusterWire, RedisCluster], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    w, client = wire
+    await w.call([("GET", "warm")])  # (the slot map read)
+    await client.script_load(SOURCE)  # (on every primary: no NOSCRIPT, which sends all again)
+    key, stream = keys_on(client, same=True)
+    seen = writes(monkeypatch)
+    reply, job = await w.script_with(SHA, SOURCE, [key], [], [("XADD", stream, "*", "s", "x")])
+    assert reply == 1 and [e[0] for e in await client.xrange(stream)] == [job]
+    assert [len(batch) for batch in seen] == [2]  # one write: the script, its job
+    # a job on another node waits for the script's reply, and goes in a write of its own
+    key, stream = keys_on(client, same=False)
+    seen.clear()
+    reply, job = await w.script_with(SHA, SOURCE, [key], [], [("XADD", stream, "*", "s", "x")])
+    assert reply == 2 and [len(batch) for batch in seen] == [1, 1]  # (the same key, again)
+
+
+async def test_a_job_that_ran_before_its_refused_script_is_sent_again_after_it(
+    wire: tuple[ClusterWire, RedisCluster],
+) -> None:
+    w, client = wire
+    await w.call([("GET", "warm")])
+    await client.script_load(SOURCE)
+    key, stream = keys_on(client, same=False)
+    # the map says the script's slot is on the job's node: the script is refused there (MOVED)
+    # while the job, in the same write, runs there, before the script
+    nodes = client.nodes_manager.slots_cache
+    nodes[key_slot(key.encode())] = list(nodes[key_slot(stream.encode())])
+    reply, job = await w.script_with(SHA, SOURCE, [key], [], [("XADD", stream, "*", "s", "x")])
+    assert reply == 1
+    entries = await client.xrange(stream)
+    assert len(entries) == 2  # the early one (harmless: its runner finds nothing yet) and ...
+    assert job == entries[1][0]  # ... the one the caller is given, added once the script ran
+    assert int(await client.get(key)) == 1  # the script ran once
