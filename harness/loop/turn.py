@@ -133,12 +133,14 @@ class Turn:
 
     def _resumed(self, item: Item) -> RunTools:
         """The calls left to run on resume. The first of them that runs was announced (by the
-        step's commit or the last result's) unless the step paused and none has a result yet."""
+        step's commit or the last result's); if the step paused and none has a result yet, only
+        if a runner resumed it and wrote that call's tool.started before it stopped."""
         done = {i.tool_call_id for i in self.turn_items if i.role == "tool"}
         paused = any(request_id(c.id or "") in self.begun.answers for c in item.tool_calls)
-        if paused and not any(c.id in done for c in item.tool_calls):
-            return RunTools(item)
         first = next((c for c in item.tool_calls if c.id not in done and not denial(self.begun.answers, c)), None)
+        if paused and not any(c.id in done for c in item.tool_calls):
+            # (announced only if a runner got that far since the answers: BEGIN says which call)
+            return RunTools(item, first.id if first is not None and first.id == self.begun.announced else None)
         return RunTools(item, first.id if first is not None else None)
 
     def _step(self) -> int:
@@ -316,7 +318,9 @@ class Turn:
                 why = f": {refused.reason}" if refused.reason else ""
                 text, is_error = f"error: a person denied this call{why}", True
             else:
-                if call.id != announced and _cancelled(await self._commit([], self._tool_started([call]), guard=True)):
+                if call.id != announced and _cancelled(
+                    await self._commit([], self._tool_started([call]), guard=True, announced=call.id or "")
+                ):
                     return EndCancelled()
                 began = time.perf_counter()
                 ran = await self._traced_call(call)
@@ -436,6 +440,7 @@ class Turn:
         usage: UsageRecord | None = None,
         guard: bool = False,
         announce: list[Pending] | None = None,
+        announced: str = "",
     ) -> Commit:
         try:
             committed = await self.store.commit(
@@ -452,6 +457,7 @@ class Turn:
                 usage=usage,
                 guard=guard,
                 announce=announce or (),
+                announced=announced,
                 failpoint=after,
             )
         except StaleLease:

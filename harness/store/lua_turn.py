@@ -53,7 +53,7 @@ local function begin_turn(B, known_head)  -- (SUBMIT knows the head, and that th
   local names = {'owner', 'cancel', 'status', 'undecided', 'turn', 'hist_start', 'turn_start', 'waiting_on',
     'last_in', 'last_est', 'held', 'created_at', 'hist_base'}
   mneed(unpack(names))
-  mneed('fence', 'seq', 'u_calls', 'ob_due')
+  mneed('fence', 'seq', 'u_calls', 'ob_due', 'announced')
   local meta = {}
   for i, f in ipairs(names) do meta[i] = MC[f] end
   if not meta[1] then return {tag = 'missing'} end
@@ -80,7 +80,7 @@ local function begin_turn(B, known_head)  -- (SUBMIT knows the head, and that th
     if kind == 'message' then apply_sticky(m.sticky) end
     turn_start, waiting_on = length, ''
     local turn = {turn = m.turn_id, turn_start = turn_start, status = 'running', waiting_on = '', undecided = 0,
-      held = 1}
+      held = 1, announced = false}
     for f, v in pairs(turn) do mset(f, v) end
     local started = nil
     if kind == 'message' then
@@ -97,6 +97,7 @@ local function begin_turn(B, known_head)  -- (SUBMIT knows the head, and that th
   else
     mset('status', 'running')
     mset('held', 1)
+    out.announced = mget('announced') or ''  -- (a resumed paused step's call, announced: not again)
   end
   local start = tonumber(meta[6])
   local from = start
@@ -141,7 +142,7 @@ SUBMIT = (
 local created = nil
 mneed('owner', 'turn', 'status', 'title', 'seq', 'interrupts', 'cancel', 'undecided', 'hist_start', 'turn_start',
   'waiting_on', 'last_in', 'last_est', 'held', 'created_at', 'hist_base', 'fence', 'u_calls',
-  'ob_due')  -- (begin's too)
+  'ob_due', 'announced')  -- (begin's too)
 if A.create and not mget('owner') then created = create_session(A.create) end
 if not owns(A.owner) then return reply({tag = 'missing'}) end
 local prev = redis.call('HGET', K.mids, A.message_id)
@@ -273,6 +274,7 @@ for _, e in ipairs(A.events) do ids[#ids + 1] = emit(A.retention, e.type, e.body
 if not cancel then
   for _, e in ipairs(A.announce) do ids[#ids + 1] = emit(A.retention, e.type, e.body) end
 end
+if A.announced ~= '' then mset('announced', A.announced) end  -- (written: a guarded commit got here)
 if A.attempt and not cancel then mincr('u_calls', 1) end
 -- messages steered into the turn join it now, before the model call this commit precedes: as
 -- user items of the turn, after what it appended (the take and the items are one write)
@@ -332,7 +334,8 @@ elseif A.mode == 'final' then
   end
   if last then mset('interrupts', false) end
   local left = redis.call('LLEN', K.inbox)
-  local ended = {turn = '', status = left > 0 and 'running' or 'idle', waiting_on = '', undecided = 0, held = 0}
+  local ended = {turn = '', status = left > 0 and 'running' or 'idle', waiting_on = '', undecided = 0, held = 0,
+    announced = false}
   for f, v in pairs(ended) do mset(f, v) end
   if cancel then mset('cancel', '') end
   out.cancel = false

@@ -139,6 +139,7 @@ class Began(Reply, tag="ok"):
     took_over: bool = False  # the turn was in progress under a lease that lapsed
     epoch: str = ""  # the session's created_at (what a cached copy of its history is of)
     owner: str = ""
+    announced: str = ""  # the turn's call whose tool.started a commit wrote alone (resuming a paused step)
 
 
 class LeaseTaken(Reply, tag="busy"):
@@ -251,6 +252,7 @@ class CommitArgs(msgspec.Struct, frozen=True):
     usage: UsageArgs | None = None  # a model call's tokens, recorded first, fenced or not
     guard: bool = False  # with a cancel pending, write nothing but the usage
     announce: list[EventArg] = []  # events written only if no cancel is pending
+    announced: str = ""  # the call whose tool.started this commit writes alone (a paused step's, resumed)
     ttl_ms: int = 0  # with 'final' or 'pause': every key of the session expires this long from now (0: never)
     at: str = ""  # with 'final' or 'pause': now, the session's updated_at
     preview: str = ""  # with 'final' or 'pause': the start of the turn's reply ("": leave the preview)

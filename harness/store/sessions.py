@@ -747,6 +747,7 @@ class Store:
             last_in=res.last_in,
             last_est=res.last_est,
             took_over=res.took_over,
+            announced=res.announced,
         )
         return begun, started
 
@@ -767,6 +768,7 @@ class Store:
         usage: UsageRecord | None = None,
         guard: bool = False,
         announce: Sequence[Pending] = (),
+        announced: str = "",
         failpoint: str | None = None,
     ) -> Commit:
         """Commit a step (mode "step"), the end of a turn ("final"), or a pause for the
@@ -777,7 +779,9 @@ class Store:
         beginning at that offset in them. `usage`: the model call's tokens, written by the same
         script first (its usage.recorded comes first; written even if the commit is refused as
         stale). `guard`: with a cancel pending for the turn, write nothing else (`Withheld`).
-        `announce`: events written only if no cancel is pending (step mode). `failpoint`: the
+        `announce`: events written only if no cancel is pending (step mode). `announced`: the
+        call whose tool.started `events` is, when a resumed paused step writes it alone (BEGIN
+        tells a runner that takes the turn over, which then does not write it again). `failpoint`: the
         crash point reached once the commit is made, before anything is published."""
         recorded: list[Pending] = []
         usage_args = None
@@ -804,6 +808,7 @@ class Store:
             usage=usage_args,
             guard=guard,
             announce=[p.EventArg(e.type, e.body.decode()) for e in announce],
+            announced=announced,
             ttl_ms=self.ttl_ms,
             **self._activity(sid, items, mode),
         )

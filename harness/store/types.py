@@ -98,6 +98,7 @@ class Begun(msgspec.Struct, frozen=True):
     last_in: int = 0  # provider-reported input tokens of the session's last turn call (0: none)
     last_est: int = 0  # keel's estimate of that same request
     took_over: bool = False  # resumed from a runner whose lease lapsed (a crash, a stall)
+    announced: str = ""  # the call of the paused step whose tool.started was written (it ran, or runs, next)
 
 
 class Busy(msgspec.Struct, frozen=True):
