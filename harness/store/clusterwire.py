@@ -52,30 +52,31 @@ SLOTS_MEMO = 50_000
 
 
 def slot_of(command: Sequence[Any]) -> int:
-    """The slot `command` is routed to (by `key_of`)."""
-    name = command[0]
-    key = command[3] if name in ("EVALSHA", "EVAL") else command[1] if name != "XREADGROUP" else None
-    slot = _SLOTS.get(key) if key is not None else None
+    """The slot `command` is routed to (by its `key_of`)."""
+    key = _routing_key(command)
+    slot = _SLOTS.get(key)
     if slot is None:
-        slot = key_slot(key_of(command))
-        if key is not None:
-            if len(_SLOTS) >= SLOTS_MEMO:
-                _SLOTS.clear()
-            _SLOTS[key] = slot
+        slot = key_slot(key if isinstance(key, bytes) else str(key).encode())
+        if len(_SLOTS) >= SLOTS_MEMO:
+            _SLOTS.clear()
+        _SLOTS[key] = slot
     return slot
 
 
 def key_of(command: Sequence[Any]) -> bytes:
     """The key a command is routed by: EVALSHA's first key, XREADGROUP's first stream, else its
     first argument."""
+    key = _routing_key(command)
+    return key if isinstance(key, bytes) else str(key).encode()
+
+
+def _routing_key(command: Sequence[Any]) -> Any:
     name = command[0]
     if name in ("EVALSHA", "EVAL"):
-        key = command[3]
-    elif name == "XREADGROUP":
-        key = command[list(command).index("STREAMS") + 1]
-    else:
-        key = command[1]
-    return key if isinstance(key, bytes) else str(key).encode()
+        return command[3]
+    if name == "XREADGROUP":
+        return command[list(command).index("STREAMS") + 1]
+    return command[1]
 
 
 class ClusterWire:
@@ -169,12 +170,10 @@ class ClusterWire:
         rode = dict(zip(riding, got[len(got) - len(riding) :], strict=True))
         done = {n: r for n, r in rode.items() if not isinstance(r, Exception)}  # (else: sent again below)
         left_also = [c for n, c in enumerate(also) if n not in done]
-        sent = raised(await self.call(left_also, durable=True)) if left_also else []
-        replies = iter(sent)
-        rest = [done[n] if n in done else next(replies) for n in range(len(also))]
         left_lazy = [c for n, c in enumerate(lazy, start=len(also)) if n not in done]
-        await self._lazy(left_lazy)
-        return [reply, *rest]
+        _, *sent = await self._after(reply, left_also, left_lazy)
+        replies = iter(sent)
+        return [reply, *(done[n] if n in done else next(replies) for n in range(len(also)))]
 
     async def _after(self, reply: Any, also: Sequence[Sequence[Any]], lazy: Sequence[Sequence[Any]]) -> list[Any]:
         """A script's reply, and the replies of `also`, sent once it ran (then `lazy`)."""

@@ -63,6 +63,9 @@ local function mset(f, v)
   MC[f] = v
   MD[f] = true
 end
+local function msets(t)  -- (field -> value)
+  for f, v in pairs(t) do mset(f, v) end
+end
 local function mincr(f, n)
   local v = (tonumber(mget(f)) or 0) + n
   mset(f, v)
@@ -106,6 +109,10 @@ local function now_ms()  -- the server's time (one read a script)
     clock = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
   end
   return clock
+end
+local function event_window()  -- events kept by age: the window (ARGV[3], ms; 0: by count only), its slack (`_EMIT`)
+  local age = tonumber(ARGV[3] or 0) or 0
+  return age, math.max(1, math.floor(age / 100))
 end
 local function remembered(mid)  -- a message id kept for the idempotency window (ARGV[4], ms)
   local ms = tonumber(ARGV[4] or 0)
@@ -155,10 +162,9 @@ local plain_reply = reply
 reply = function(t)
   mmade()
   if last_id then
-    local age = tonumber(ARGV[3] or 0)
-    local now = age and age > 0 and now_ms()
+    local age, slack = event_window()
+    local now = age > 0 and now_ms()
     if now and now >= (tonumber(mget('ob_due')) or 0) then
-      local slack = math.max(1, math.floor(age / 100))
       redis.call('XTRIM', K.outbox, 'MINID', '~', now - age)
       local at = meta_expiry()
       local left = at > 0 and at - now or -1
@@ -187,10 +193,11 @@ end
 # the keys it may have made, whether `keep` runs or not (`expire_new` for a key it knows it made:
 # nothing to do if the meta has no deadline). The meta's deadline is read once a script.
 _KEEP = """
-local function keep_events(ttl_ms, age)  -- the outbox: until its newest event is `age` old (see `_EMIT`)
+local function keep_events(ttl_ms)  -- the outbox: until its newest event is the window old (see `_EMIT`)
   local newest = redis.call('XREVRANGE', K.outbox, '+', '-', 'COUNT', 1)[1]
   if not newest then return end
-  local at = tonumber(string.match(newest[1], '^(%d+)')) + age + math.max(1, math.floor(age / 100))
+  local age, slack = event_window()
+  local at = tonumber(string.match(newest[1], '^(%d+)')) + age + slack
   if ttl_ms > 0 then at = math.min(at, now_ms() + ttl_ms) end
   redis.call('PEXPIREAT', K.outbox, at)
 end
@@ -200,10 +207,10 @@ local function keep(ttl_ms)
   if ttl_ms > 0 and left > ttl_ms - math.min(ttl_ms / 100, 3600000) then return end
   if ttl_ms <= 0 and left == -1 then return end
   meta_at = nil  -- (set anew below: read again if a key wants it after)
-  local age = tonumber(ARGV[3] or 0) or 0
+  local by_age = event_window() > 0
   for name, key in pairs(K) do
-    if name == 'outbox' and age > 0 then
-      keep_events(ttl_ms, age)
+    if name == 'outbox' and by_age then
+      keep_events(ttl_ms)
     elseif name ~= 'lease' and name ~= 'readers' then
       if ttl_ms > 0 then redis.call('PEXPIRE', key, ttl_ms) else redis.call('PERSIST', key) end
     end
@@ -226,7 +233,7 @@ local function create_session(C)
   local fields = {owner = C.owner, created_at = C.created_at, updated_at = C.created_at, metadata = C.metadata,
     status = 'idle', seq = 0, fence = 0, turn = '', turn_start = 0, hist_start = 0, waiting_on = '', undecided = 0,
     cancel = ''}
-  for f, v in pairs(fields) do mset(f, v) end
+  msets(fields)
   return emit(C.retention, EV.SessionCreated, C.body)
 end
 """

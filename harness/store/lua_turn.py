@@ -81,7 +81,7 @@ local function begin_turn(B, known_head)  -- (SUBMIT knows the head, and that th
     turn_start, waiting_on = length, ''
     local turn = {turn = m.turn_id, turn_start = turn_start, status = 'running', waiting_on = '', undecided = 0,
       held = 1, announced = false}
-    for f, v in pairs(turn) do mset(f, v) end
+    msets(turn)
     local started = nil
     if kind == 'message' then
       started = {EV.TurnStarted, '{"message_id":' .. cjson.encode(m.message_id) .. '}'}
@@ -260,7 +260,7 @@ if A.rebase then
     base = base + held
   end
   local rebased = {hist_start = before, turn_start = before + A.rebase, hist_base = base, last_in = 0, last_est = 0}
-  for f, v in pairs(rebased) do mset(f, v) end
+  msets(rebased)
 end
 for _, r in ipairs(A.requests) do redis.call('HSET', K.pending, r.request_id, r.json) end
 local resolved = {}  -- which of the given answers were set (and emitted), 0-based
@@ -336,7 +336,7 @@ elseif A.mode == 'final' then
   local left = redis.call('LLEN', K.inbox)
   local ended = {turn = '', status = left > 0 and 'running' or 'idle', waiting_on = '', undecided = 0, held = 0,
     announced = false}
-  for f, v in pairs(ended) do mset(f, v) end
+  msets(ended)
   if cancel then mset('cancel', '') end
   out.cancel = false
   out.tag = 'more'
