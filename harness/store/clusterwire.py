@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -33,6 +34,7 @@ from harness.store.wire import QUIET, TIMEOUT_S, NotSent, Pool, Replicas, Wire, 
 
 log = logging.getLogger("keel.store")
 REDIRECT_S = 10.0  # how long a call follows redirections and waits out a failover
+LAZY_CLOSE_S = 1.0  # how long closing waits for the lazy writes still on their way
 BACKOFF_S = (0.02, 0.05, 0.1, 0.2, 0.4, 0.5)  # waits between tries that found no owner
 REFUSALS = (MovedError, AskError, TryAgainError, ClusterDownError)  # (followed: see `_refused`)
 # a rider's reply when the script it rode with was refused: it ran first, so it is sent again
@@ -95,8 +97,17 @@ class ClusterWire:
         self.timeout = timeout or TIMEOUT_S
         self._pools: dict[str, Pool] = {}
         self._ready = False
+        self._lazies: set[asyncio.Task[None]] = set()  # lazy writes that went the long way (`_lazy`)
 
     async def close(self) -> None:
+        """Close every node's pool, once the lazy writes that went the long way are done (at
+        most `LAZY_CLOSE_S`: what a process that stops did not send, the next activity does).
+        Posted ones in flight on a shared link go with it."""
+        lazies, self._lazies = self._lazies, set()
+        if lazies:
+            _, left = await asyncio.wait(lazies, timeout=LAZY_CLOSE_S)
+            for task in left:
+                task.cancel()
         pools, self._pools = self._pools, {}
         for pool in pools.values():
             await pool.close()
@@ -142,8 +153,9 @@ class ClusterWire:
         """The script on its session's node, then (only once it has run) the commands `also`,
         which live in other slots: a job added after the write it stands for, as on one server.
         Error replies are raised. Then `lazy`, whose loss is repaired later (an owner's list of
-        sessions): not waited for by replicas, its failures let be (a node of the list down, or
-        its replica, is no reason to refuse a message that is safe).
+        sessions): sent, not waited for (nor by replicas), its failures let be (a node of the
+        list down, or its replica, is no reason to refuse a message that is safe); it goes on
+        its node's shared link, so a call after this one that reads it there finds it written.
         Without replicas, those of `also` and `lazy` whose slot the script's node owns ride in
         the script's write, after it (as on one server: run after the script, whatever it
         answers); one refused there (its slot moved meanwhile) goes again the usual way."""
@@ -176,17 +188,57 @@ class ClusterWire:
         return [reply, *(done[n] if n in done else next(replies) for n in range(len(also)))]
 
     async def _after(self, reply: Any, also: Sequence[Sequence[Any]], lazy: Sequence[Sequence[Any]]) -> list[Any]:
-        """A script's reply, and the replies of `also`, sent once it ran (then `lazy`)."""
+        """A script's reply, and the replies of `also`, sent once it ran (then `lazy`, sent)."""
         rest = raised(await self.call(also, durable=True)) if also else []
-        await self._lazy(lazy)
+        self._post(lazy)
         return [reply, *rest]
 
+    def _post(self, lazy: Sequence[Sequence[Any]]) -> None:
+        """`lazy` sent on each node's shared link, its replies not waited for (`Pool.post`); a
+        node whose link is not open yet, or a slot map that lacks one, gets them the long way."""
+        if not lazy:
+            return
+        try:
+            nodes: dict[str, tuple[ClusterNode, list[Sequence[Any]]]] = {}
+            for command in lazy:
+                node = self._owner(slot_of(command))
+                nodes.setdefault(node.name, (node, []))[1].append(command)
+        except Exception:  # (a slot no node owns just now)
+            self._lazy_later(lazy)
+            return
+        for node, commands in nodes.values():
+            if not self._pool(node).post(commands, functools.partial(self._posted, commands)):
+                self._lazy_later(commands)
+
+    def _posted(self, commands: Sequence[Sequence[Any]], replies: asyncio.Future[list[Any]]) -> None:
+        """The replies of posted lazy writes: a refused one (its slot moved) goes again the long
+        way, which follows the cluster's redirections; a failure is let be."""
+        if replies.cancelled():
+            return
+        failed = replies.exception()
+        if failed is not None:
+            log.warning("a lazy write after a script failed: %s", failed)
+            return
+        got = replies.result()
+        refused = [c for c, r in zip(commands, got, strict=True) if isinstance(r, REFUSALS)]
+        errors = [r for r in got if isinstance(r, Exception) and not isinstance(r, REFUSALS)]
+        if errors:
+            log.warning("a lazy write after a script failed: %s", errors[0])
+        if refused:
+            self._lazy_later(refused)
+
+    def _lazy_later(self, lazy: Sequence[Sequence[Any]]) -> None:
+        task = asyncio.get_running_loop().create_task(self._lazy(lazy))
+        self._lazies.add(task)
+        task.add_done_callback(self._lazies.discard)
+
     async def _lazy(self, lazy: Sequence[Sequence[Any]]) -> None:
-        if lazy:
-            try:
-                await self.call(lazy)
-            except Exception as exc:  # (best effort: a page drops what is gone, the next activity adds it back)
-                log.warning("a lazy write after a script failed: %s", exc)
+        try:
+            for reply in await self.call(lazy):
+                if isinstance(reply, Exception):
+                    raise reply
+        except Exception as exc:  # (best effort: a page drops what is gone, the next activity adds it back)
+            log.warning("a lazy write after a script failed: %s", exc)
 
     def _riders(self, slot: int, commands: Sequence[Sequence[Any]]) -> list[int]:
         """Which of `commands` live on the node that owns `slot` (by the slot map as it is)."""

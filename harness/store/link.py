@@ -2,7 +2,8 @@
 
 The wire's pools hold links. `RespLink` is an asyncio protocol of its own: the commands of a
 call go out in one write, and hiredis parses the replies as the bytes arrive, with no stream
-reader, no per-reply coroutine and no timer per read; a call's deadline is one timer. Calls
+reader, no per-reply coroutine and no timer per read or per call (one timer a link watches the
+deadlines of the calls in flight). Calls
 may overlap on it (a pool shares one for every call that does not block Redis): those that
 come while others are in flight go out together at the loop's next turn, so a busy process
 writes and wakes once for many calls, not once for each. It
@@ -19,6 +20,7 @@ reused.
 from __future__ import annotations
 
 import asyncio
+import math
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, cast
@@ -70,12 +72,13 @@ class Link(Protocol):
 
 
 class _Call:
-    __slots__ = ("count", "future", "replies")
+    __slots__ = ("count", "deadline", "future", "replies")
 
-    def __init__(self, count: int, future: asyncio.Future[list[Any]]) -> None:
+    def __init__(self, count: int, future: asyncio.Future[list[Any]], deadline: float) -> None:
         self.count = count  # the replies it waits for
         self.replies: list[Any] = []
         self.future = future
+        self.deadline = deadline  # (loop time; inf: none of its own)
 
 
 class RespLink(asyncio.Protocol):
@@ -85,6 +88,10 @@ class RespLink(asyncio.Protocol):
         self._calls: deque[_Call] = deque()  # in flight, in the order they were written
         self._out: list[bytes] = []  # calls' commands waiting for the next write
         self._broken = False  # data while idle, end-of-file, a failed or cut call: not reused
+        # the deadlines' one timer: set for the earliest deadline in flight, or later (a call
+        # that ended before its deadline leaves it set: when it fires, it looks again)
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = math.inf
 
     # ---- the protocol --------------------------------------------------------------------
 
@@ -135,11 +142,25 @@ class RespLink(asyncio.Protocol):
         may overlap: each one's commands go out in the order the calls came, in one write with
         those of the others that came meanwhile, and each gets its own replies. A caller that
         goes away (cancelled) leaves its replies to be read and let go."""
+        call = self._send(data, count, deadline)
+        if deadline < self._timer_at:
+            self._watch(deadline)
+        replies: list[Any] = await call.future
+        return replies
+
+    def post(self, data: bytes, count: int, done: Callable[[asyncio.Future[list[Any]]], None]) -> None:
+        """`call` without waiting for it: the commands go out as a call's do (in their order
+        among the calls on the link, with those of this loop turn), and `done` gets the future
+        of their replies. No deadline of its own: should Redis stop answering, the deadline of
+        a call after it breaks the link, and fails it too."""
+        self._send(data, count, math.inf).future.add_done_callback(done)
+
+    def _send(self, data: bytes, count: int, deadline: float) -> _Call:
         transport = self._transport
         if transport is None or self._broken:
             raise ConnectionError("the connection to Redis is closed")
         loop = asyncio.get_running_loop()
-        call = _Call(count, loop.create_future())
+        call = _Call(count, loop.create_future(), deadline)
         if self._calls or self._out:  # (others in flight: with the next write, at the loop's turn)
             if not self._out:
                 loop.call_soon(self._flush)
@@ -147,27 +168,43 @@ class RespLink(asyncio.Protocol):
         else:
             transport.write(data)
         self._calls.append(call)
-        timer = loop.call_at(deadline, self._expire, call.future)
-        try:
-            replies: list[Any] = await call.future
-            return replies
-        finally:
-            timer.cancel()
+        return call
 
     def _flush(self) -> None:
         out, self._out = self._out, []
         if self._transport is not None and out:
             self._transport.write(b"".join(out))
 
-    def _expire(self, future: asyncio.Future[list[Any]]) -> None:
-        if not future.done():
-            future.set_exception(TimeoutError())
-            self._broken = True  # (its replies may still come: nothing after them can be trusted)
-            if self._transport is not None:
-                self._transport.abort()
+    def _watch(self, at: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = asyncio.get_running_loop().call_at(at, self._expire)
+        self._timer_at = at
+
+    def _expire(self) -> None:
+        """The timer: a call past its deadline fails with TimeoutError and breaks the link
+        (its replies may still come: nothing after them can be trusted), which fails the calls
+        after it; else the timer is set for the earliest deadline in flight."""
+        self._timer, self._timer_at = None, math.inf
+        if not self._calls:
+            return
+        now = asyncio.get_running_loop().time()
+        late = next((c for c in self._calls if c.deadline <= now and not c.future.done()), None)
+        if late is None:
+            earliest = min(c.deadline for c in self._calls)
+            if earliest < math.inf:
+                self._watch(earliest)
+            return
+        late.future.set_exception(TimeoutError())
+        self._broken = True
+        if self._transport is not None:
+            self._transport.abort()
 
     async def close(self) -> None:
         self._broken = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer, self._timer_at = None, math.inf
         if self._transport is not None:
             self._transport.abort()
 

@@ -12,7 +12,7 @@ whole call, one write, every reply read, the connection back to the pool.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 from redis.asyncio import Redis
@@ -123,6 +123,16 @@ class Pool:
         self._shared = link
         return link
 
+    def post(self, commands: Sequence[Sequence[Any]], done: Callable[[asyncio.Future[list[Any]]], None]) -> bool:
+        """`commands` on the shared link without waiting for their replies (`RespLink.post`:
+        `done` gets them); False, and nothing sent, if that link is not open (or the commands
+        would block it): the caller then calls."""
+        shared = self._shared
+        if not self._resp or shared is None or not shared.reusable or blocks(commands):
+            return False
+        shared.post(pack(commands), len(commands), done)
+        return True
+
     async def call(self, commands: Sequence[Sequence[Any]]) -> list[Any]:
         """Send `commands` in one write and read all their replies, as a pipeline without a
         transaction does. An error reply comes back in its place as the exception, not raised.
@@ -133,7 +143,9 @@ class Pool:
         data = pack(commands)
         deadline = asyncio.get_running_loop().time() + self.timeout
         if self._resp and not blocks(commands):
-            shared = await self._shared_link()
+            shared = self._shared
+            if shared is None or not shared.reusable:
+                shared = await self._shared_link()
             try:
                 return await shared.call(data, len(commands), deadline)
             except TimeoutError:

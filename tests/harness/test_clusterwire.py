@@ -93,3 +93,45 @@ async def test_a_job_that_ran_before_its_refused_script_is_sent_again_after_it(
     assert len(entries) == 2  # the early one (harmless: its runner finds nothing yet) and ...
     assert job == entries[1][0]  # ... the one the caller is given, added once the script ran
     assert int(await client.get(key)) == 1  # the script ran once
+
+
+def key_on(client: RedisCluster, node: str, prefix: str) -> str:
+    """A key whose slot `node` owns."""
+    for n in range(10_000):
+        key = f"{prefix}:{{{n}}}"
+        if client.get_node_from_key(key).name == node:
+            return key
+    raise AssertionError("no such key")
+
+
+async def test_a_lazy_write_is_sent_not_waited_for_and_a_read_after_it_finds_it(
+    wire: tuple[ClusterWire, RedisCluster], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    w, client = wire
+    await client.script_load(SOURCE)
+    key, listed = keys_on(client, same=False)
+    await w.call([("GET", key), ("GET", listed)])  # (the slot map read, both nodes' links open)
+    seen = writes(monkeypatch)
+    reply, *_ = await w.script_with(SHA, SOURCE, [key], [], [], lazy=[("ZADD", listed, "GT", 5, "s1")])
+    assert reply == 1
+    assert seen == [[("EVALSHA", SHA)]]  # the script's own call; the lazy write went without one
+    # sent on its node's shared link before this read, so the read finds it
+    assert await w.call([("ZSCORE", listed, "s1")]) == [b"5"]
+
+
+async def test_a_lazy_write_goes_the_long_way_when_its_node_is_new_or_its_slot_moved(
+    wire: tuple[ClusterWire, RedisCluster],
+) -> None:
+    w, client = wire
+    await client.script_load(SOURCE)
+    nodes = [n.name for n in client.get_primaries()]
+    key, fresh, moved = (key_on(client, node, prefix) for node, prefix in zip(nodes, ("s", "a", "b"), strict=True))
+    await w.call([("GET", key)])  # only the script's node has a link yet
+    # and the map wrongly says `moved`'s slot is on the script's node: refused there (MOVED)
+    cache = client.nodes_manager.slots_cache
+    cache[key_slot(moved.encode())] = list(cache[key_slot(key.encode())])
+    lazy = [("ZADD", fresh, "GT", 7, "s1"), ("ZADD", moved, "GT", 8, "s1")]
+    assert (await w.script_with(SHA, SOURCE, [key], [], [], lazy=lazy))[0] == 1
+    await w.close()  # (waits for the lazy writes still on their way)
+    assert await client.zscore(fresh, "s1") == 7
+    assert await client.zscore(moved, "s1") == 8

@@ -12,9 +12,11 @@ from unittest.mock import ANY
 import pytest
 from redis.asyncio import Redis
 from redis.asyncio.connection import Connection
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeout
 
+from harness.store.link import open_resp
 from harness.store.wire import NotSent, Wire, pack
 
 
@@ -195,3 +197,28 @@ async def test_a_blocking_call_takes_a_link_of_its_own(redis: Redis) -> None:
     await redis.rpush("later", "v")
     assert await blocked == [[b"later", b"v"]]
     await wire.close()
+
+
+async def test_each_call_on_a_link_fails_at_its_own_deadline(redis: Redis) -> None:
+    kwargs = redis.connection_pool.connection_kwargs
+    loop = asyncio.get_running_loop()
+    link = await open_resp({"host": kwargs["host"], "port": kwargs["port"]})
+    # a call that ended before its deadline leaves the link's timer set for it: a later call
+    # with a later deadline is still held to its own, not failed early
+    assert await link.call(pack([("PING",)]), 1, loop.time() + 0.1) == [b"PONG"]
+    begun = loop.time()
+    with pytest.raises(TimeoutError):
+        await link.call(pack([("BLPOP", "never", 10)]), 1, begun + 0.4)
+    assert 0.4 <= loop.time() - begun < 5  # (at its deadline: neither the earlier one's nor BLPOP's 10 s)
+    assert not link.reusable
+    # and a call with an earlier deadline than one in flight fails at its own, failing the rest
+    link = await open_resp({"host": kwargs["host"], "port": kwargs["port"]})
+    blocked = asyncio.create_task(link.call(pack([("BLPOP", "never", 10)]), 1, loop.time() + 30))
+    await blocked_clients(redis, 1)
+    begun = loop.time()
+    with pytest.raises(TimeoutError):
+        await link.call(pack([("PING",)]), 1, begun + 0.3)  # (behind the BLPOP: no reply in time)
+    assert 0.3 <= loop.time() - begun < 5
+    with pytest.raises(RedisConnectionError):  # (the link broke under it)
+        await blocked
+    await link.close()
