@@ -97,17 +97,20 @@ class ClusterWire:
         self.timeout = timeout or TIMEOUT_S
         self._pools: dict[str, Pool] = {}
         self._ready = False
+        self._posted: set[asyncio.Future[list[Any]]] = set()  # lazy writes posted, their replies to come
         self._lazies: set[asyncio.Task[None]] = set()  # lazy writes that went the long way (`_lazy`)
 
     async def close(self) -> None:
-        """Close every node's pool, once the lazy writes that went the long way are done (at
-        most `LAZY_CLOSE_S`: what a process that stops did not send, the next activity does).
-        Posted ones in flight on a shared link go with it."""
-        lazies, self._lazies = self._lazies, set()
-        if lazies:
-            _, left = await asyncio.wait(lazies, timeout=LAZY_CLOSE_S)
-            for task in left:
-                task.cancel()
+        """Close every node's pool once the lazy writes on their way are done (at most
+        `LAZY_CLOSE_S`: what a process that stops did not send, the next activity does)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + LAZY_CLOSE_S
+        if self._posted:
+            await asyncio.wait(set(self._posted), timeout=LAZY_CLOSE_S)
+        if self._lazies:  # (a refused posted write goes the long way)
+            await asyncio.wait(set(self._lazies), timeout=max(deadline - loop.time(), 0))
+        for task in self._lazies:
+            task.cancel()
         pools, self._pools = self._pools, {}
         for pool in pools.values():
             await pool.close()
@@ -154,8 +157,9 @@ class ClusterWire:
         which live in other slots: a job added after the write it stands for, as on one server.
         Error replies are raised. Then `lazy`, whose loss is repaired later (an owner's list of
         sessions): sent, not waited for (nor by replicas), its failures let be (a node of the
-        list down, or its replica, is no reason to refuse a message that is safe); it goes on
-        its node's shared link, so a call after this one that reads it there finds it written.
+        list down, or its replica, is no reason to refuse a message that is safe); posted on
+        its node's shared link, it goes out with that link's next write (a millisecond later at
+        most), so a call after this one that reads it there finds it written.
         Without replicas, those of `also` and `lazy` whose slot the script's node owns ride in
         the script's write, after it (as on one server: run after the script, whatever it
         answers); one refused there (its slot moved meanwhile) goes again the usual way."""
@@ -207,12 +211,16 @@ class ClusterWire:
             self._lazy_later(lazy)
             return
         for node, commands in nodes.values():
-            if not self._pool(node).post(commands, functools.partial(self._posted, commands)):
+            posted = self._pool(node).post(commands, functools.partial(self._answered, commands))
+            if posted is None:
                 self._lazy_later(commands)
+            elif not posted.done():
+                self._posted.add(posted)
 
-    def _posted(self, commands: Sequence[Sequence[Any]], replies: asyncio.Future[list[Any]]) -> None:
+    def _answered(self, commands: Sequence[Sequence[Any]], replies: asyncio.Future[list[Any]]) -> None:
         """The replies of posted lazy writes: a refused one (its slot moved) goes again the long
         way, which follows the cluster's redirections; a failure is let be."""
+        self._posted.discard(replies)
         if replies.cancelled():
             return
         failed = replies.exception()

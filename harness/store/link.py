@@ -3,11 +3,12 @@
 The wire's pools hold links. `RespLink` is an asyncio protocol of its own: the commands of a
 call go out in one write, and hiredis parses the replies as the bytes arrive, with no stream
 reader, no per-reply coroutine and no timer per read or per call (one timer a link watches the
-deadlines of the calls in flight). Calls
-may overlap on it (a pool shares one for every call that does not block Redis): those that
-come while others are in flight go out together at the loop's next turn, so a busy process
-writes and wakes once for many calls, not once for each. It
-speaks to a node over TCP or a Unix socket, with AUTH and SELECT as the client's URL asks.
+deadlines of the calls in flight). Calls may overlap on it (a pool shares one for every call
+that does not block Redis): those that come while others are in flight go out together at the
+loop's next turn, so a busy process writes and wakes once for many calls, not once for each.
+Commands posted (sent, their replies not waited for: a cluster's lazy writes) wait for the
+next write, a millisecond at most. It speaks to a node over TCP or a Unix socket, with AUTH
+and SELECT as the client's URL asks.
 For what it does not speak (TLS, a credential provider, RESP3, a connection class of the
 caller's) a pool uses `ClientLink`, the same calls over redis-py's own connection.
 
@@ -46,6 +47,9 @@ _ERRORS: dict[str, Callable[[str], ResponseError]] = {
     "TRYAGAIN": TryAgainError,
     "CLUSTERDOWN": ClusterDownError,
 }
+
+
+POST_WAIT_S = 0.001  # how long posted commands wait for a write to go with, at most
 
 
 class _Reply(Exception):
@@ -87,6 +91,8 @@ class RespLink(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._calls: deque[_Call] = deque()  # in flight, in the order they were written
         self._out: list[bytes] = []  # calls' commands waiting for the next write
+        self._soon = False  # the next write is at the loop's next turn
+        self._later: asyncio.TimerHandle | None = None  # ... or, for posted commands only, then
         self._broken = False  # data while idle, end-of-file, a failed or cut call: not reused
         # the deadlines' one timer: set for the earliest deadline in flight, or later (a call
         # that ended before its deadline leaves it set: when it fires, it looks again)
@@ -148,29 +154,41 @@ class RespLink(asyncio.Protocol):
         replies: list[Any] = await call.future
         return replies
 
-    def post(self, data: bytes, count: int, done: Callable[[asyncio.Future[list[Any]]], None]) -> None:
-        """`call` without waiting for it: the commands go out as a call's do (in their order
-        among the calls on the link, with those of this loop turn), and `done` gets the future
-        of their replies. No deadline of its own: should Redis stop answering, the deadline of
-        a call after it breaks the link, and fails it too."""
-        self._send(data, count, math.inf).future.add_done_callback(done)
+    def post(
+        self, data: bytes, count: int, done: Callable[[asyncio.Future[list[Any]]], None]
+    ) -> asyncio.Future[list[Any]]:
+        """`call` without waiting for it, nor hurrying it: the commands go out with the link's
+        next write (in their order among the calls on it: a call after them finds them run),
+        at the latest `POST_WAIT_S` from now, and `done` gets the future of their replies. No
+        deadline of their own: should Redis stop answering, the deadline of a call after them
+        breaks the link, and fails them too."""
+        future = self._send(data, count, math.inf, hurry=False).future
+        future.add_done_callback(done)
+        return future
 
-    def _send(self, data: bytes, count: int, deadline: float) -> _Call:
+    def _send(self, data: bytes, count: int, deadline: float, *, hurry: bool = True) -> _Call:
         transport = self._transport
         if transport is None or self._broken:
             raise ConnectionError("the connection to Redis is closed")
         loop = asyncio.get_running_loop()
         call = _Call(count, loop.create_future(), deadline)
-        if self._calls or self._out:  # (others in flight: with the next write, at the loop's turn)
-            if not self._out:
-                loop.call_soon(self._flush)
-            self._out.append(data)
-        else:
+        if hurry and not self._calls and not self._out:
             transport.write(data)
+        else:  # (others in flight, or posted: with the next write, at the loop's turn or later)
+            self._out.append(data)
+            if hurry and not self._soon:
+                self._soon = True
+                loop.call_soon(self._flush)
+            elif not hurry and not self._soon and self._later is None:
+                self._later = loop.call_later(POST_WAIT_S, self._flush)
         self._calls.append(call)
         return call
 
     def _flush(self) -> None:
+        self._soon = False
+        if self._later is not None:
+            self._later.cancel()
+            self._later = None
         out, self._out = self._out, []
         if self._transport is not None and out:
             self._transport.write(b"".join(out))
@@ -202,6 +220,9 @@ class RespLink(asyncio.Protocol):
 
     async def close(self) -> None:
         self._broken = True
+        if self._later is not None:
+            self._later.cancel()
+            self._later = None
         if self._timer is not None:
             self._timer.cancel()
             self._timer, self._timer_at = None, math.inf

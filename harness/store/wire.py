@@ -123,15 +123,16 @@ class Pool:
         self._shared = link
         return link
 
-    def post(self, commands: Sequence[Sequence[Any]], done: Callable[[asyncio.Future[list[Any]]], None]) -> bool:
+    def post(
+        self, commands: Sequence[Sequence[Any]], done: Callable[[asyncio.Future[list[Any]]], None]
+    ) -> asyncio.Future[list[Any]] | None:
         """`commands` on the shared link without waiting for their replies (`RespLink.post`:
-        `done` gets them); False, and nothing sent, if that link is not open (or the commands
-        would block it): the caller then calls."""
+        `done` gets them; so does the future returned); None, and nothing sent, if that link is
+        not open (or the commands would block it): the caller then calls."""
         shared = self._shared
         if not self._resp or shared is None or not shared.reusable or blocks(commands):
-            return False
-        shared.post(pack(commands), len(commands), done)
-        return True
+            return None
+        return shared.post(pack(commands), len(commands), done)
 
     async def call(self, commands: Sequence[Sequence[Any]]) -> list[Any]:
         """Send `commands` in one write and read all their replies, as a pipeline without a

@@ -222,3 +222,16 @@ async def test_each_call_on_a_link_fails_at_its_own_deadline(redis: Redis) -> No
     with pytest.raises(RedisConnectionError):  # (the link broke under it)
         await blocked
     await link.close()
+
+
+async def test_posted_commands_go_out_alone_soon_or_with_the_next_call(redis: Redis) -> None:
+    kwargs = redis.connection_pool.connection_kwargs
+    link = await open_resp({"host": kwargs["host"], "port": kwargs["port"]})
+    replies: asyncio.Queue[list[Any]] = asyncio.Queue()
+    link.post(pack([("SET", "posted", "1")]), 1, lambda f: replies.put_nowait(f.result()))
+    assert await asyncio.wait_for(replies.get(), 2) == [b"OK"]  # (alone: nothing else came to go with)
+    link.post(pack([("INCR", "posted")]), 1, lambda f: replies.put_nowait(f.result()))
+    loop = asyncio.get_running_loop()
+    assert await link.call(pack([("GET", "posted")]), 1, loop.time() + 2) == [b"2"]  # (it went first)
+    assert replies.get_nowait() == [2]
+    await link.close()
