@@ -152,14 +152,17 @@ class ClusterWire:
         also: Sequence[Sequence[Any]],
         *,
         lazy: Sequence[Sequence[Any]] = (),
+        post: bool = False,
     ) -> list[Any]:
         """The script on its session's node, then (only once it has run) the commands `also`,
         which live in other slots: a job added after the write it stands for, as on one server.
         Error replies are raised. Then `lazy`, whose loss is repaired later (an owner's list of
-        sessions): sent, not waited for (nor by replicas), its failures let be (a node of the
-        list down, or its replica, is no reason to refuse a message that is safe); posted on
-        its node's shared link, it goes out with that link's next write (a millisecond later at
-        most), so a call after this one that reads it there finds it written.
+        sessions): not waited for by replicas, its failures let be (a node of the list down, or
+        its replica, is no reason to refuse a message that is safe). It is waited for (a new
+        session's first place in the list: a read from anywhere right after finds it), or, with
+        `post`, not (a listed session's move on activity): posted on its node's shared link, it
+        goes out with that link's next write (a millisecond later at most), so a call of this
+        process after this one that reads it there finds it written.
         Without replicas, those of `also` and `lazy` whose slot the script's node owns ride in
         the script's write, after it (as on one server: run after the script, whatever it
         answers); one refused there (its slot moved meanwhile) goes again the usual way."""
@@ -182,19 +185,25 @@ class ClusterWire:
                 await self._mark(slot, self.replicas, keys, got[1:])
             break
         if not riding:
-            return await self._after(reply, also, lazy)
+            return await self._after(reply, also, lazy, post)
         rode = dict(zip(riding, got[len(got) - len(riding) :], strict=True))
         done = {n: r for n, r in rode.items() if not isinstance(r, Exception)}  # (else: sent again below)
         left_also = [c for n, c in enumerate(also) if n not in done]
         left_lazy = [c for n, c in enumerate(lazy, start=len(also)) if n not in done]
-        _, *sent = await self._after(reply, left_also, left_lazy)
+        _, *sent = await self._after(reply, left_also, left_lazy, post)
         replies = iter(sent)
         return [reply, *(done[n] if n in done else next(replies) for n in range(len(also)))]
 
-    async def _after(self, reply: Any, also: Sequence[Sequence[Any]], lazy: Sequence[Sequence[Any]]) -> list[Any]:
-        """A script's reply, and the replies of `also`, sent once it ran (then `lazy`, sent)."""
+    async def _after(
+        self, reply: Any, also: Sequence[Sequence[Any]], lazy: Sequence[Sequence[Any]], post: bool
+    ) -> list[Any]:
+        """A script's reply, and the replies of `also`, sent once it ran (then `lazy`: `post`ed
+        or waited for)."""
         rest = raised(await self.call(also, durable=True)) if also else []
-        self._post(lazy)
+        if post:
+            self._post(lazy)
+        elif lazy:
+            await self._lazy(lazy)
         return [reply, *rest]
 
     def _post(self, lazy: Sequence[Sequence[Any]]) -> None:

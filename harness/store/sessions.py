@@ -199,7 +199,9 @@ class Store:
     async def _run(self, script: p.Script[R], sid: str, args: msgspec.Struct, lazy: Sequence[Any] = ()) -> R:
         keys = script.session_keys(sid)
         if lazy:
-            raw, *_ = await self.wire.script_with(script.sha, script.source, keys, script.args(args), (), lazy=lazy)
+            raw, *_ = await self.wire.script_with(
+                script.sha, script.source, keys, script.args(args), (), lazy=lazy, post=True
+            )
         else:
             raw = await self.wire.script(script.sha, script.source, keys, script.args(args))
         return script.reply(raw)
@@ -472,7 +474,9 @@ class Store:
             raise self._busy(sid)  # (nothing written, the job neither; SUBMIT checks again)
         destinations = [deliver_to] if deliver_to else await self.hooks.targets(owner)
         look = deliver_to is None and create is None
-        res, job = await self._with_job(p.SUBMIT, sid, owner, args, destinations, look_first=look, touch=now)
+        res, job = await self._with_job(
+            p.SUBMIT, sid, owner, args, destinations, look_first=look, touch=now, listed=create is None
+        )
         if isinstance(res, p.Duplicate):
             return Submitted(True, res.turn_id, res.received_id, job)
         if isinstance(res, p.Full):
@@ -541,19 +545,21 @@ class Store:
         *,
         look_first: bool = True,
         touch: float | None = None,
+        listed: bool = True,
     ) -> tuple[R, JobId]:
         """Run an owner-checked script and add the session's job (and a relay job for each of
         `destinations`), in one round trip. A session this process has not seen is looked up
         first (unless not `look_first`), so a request for an unknown one writes nothing; without
         the look, a request for an unknown one leaves a job that finds nothing to do. `touch`:
-        the session's activity (its place in its owner's list) is then."""
+        the session's activity (its place in its owner's list) is then; `listed`: it is in the
+        list already (then the move is not waited for; a session the script may make is)."""
         if look_first:
             await self.look(sid, owner)
         keys = script.session_keys(sid)
         also = [self.jobs.job(sid), *(relay_job(sid, d) for d in destinations)]
         lazy = catalog.touch(owner, sid, touch, self.ttl_ms) if touch is not None else []
         raw, job_id, *_ = await self.wire.script_with(
-            script.sha, script.source, keys, script.args(args), also, lazy=lazy
+            script.sha, script.source, keys, script.args(args), also, lazy=lazy, post=listed
         )
         res = script.reply(raw)
         if isinstance(res, p.Missing):  # another owner's, or one deleted (or expired) since it was seen

@@ -292,13 +292,14 @@ class Wire:
         also: Sequence[Sequence[Any]],
         *,
         lazy: Sequence[Sequence[Any]] = (),
+        post: bool = False,
     ) -> list[Any]:
         """EVALSHA and the commands `also` in one write; every reply (of the script and `also`).
         A Redis that does not know the script (restarted, or SCRIPT FLUSH) did not run it: load
         it and send all again (what `also` did the first time is done twice: keel's `also` is a
         job, harmless twice). Error replies are raised. `lazy`: commands whose loss is repaired
-        later (an owner's list of sessions): here in the same write; on a cluster, not waited
-        for (`ClusterWire.script_with`)."""
+        later (an owner's list of sessions): here in the same write; on a cluster, after the
+        script, and with `post` not waited for (`ClusterWire.script_with`)."""
         commands = [*also, *lazy]
         if self.replicas is None:
             evalsha = ("EVALSHA", sha, len(keys), *keys, *args, *self.argv)

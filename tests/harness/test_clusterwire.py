@@ -104,7 +104,7 @@ def key_on(client: RedisCluster, node: str, prefix: str) -> str:
     raise AssertionError("no such key")
 
 
-async def test_a_lazy_write_is_sent_not_waited_for_and_a_read_after_it_finds_it(
+async def test_a_posted_lazy_write_is_not_waited_for_and_a_read_after_it_finds_it(
     wire: tuple[ClusterWire, RedisCluster], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     w, client = wire
@@ -112,11 +112,17 @@ async def test_a_lazy_write_is_sent_not_waited_for_and_a_read_after_it_finds_it(
     key, listed = keys_on(client, same=False)
     await w.call([("GET", key), ("GET", listed)])  # (the slot map read, both nodes' links open)
     seen = writes(monkeypatch)
-    reply, *_ = await w.script_with(SHA, SOURCE, [key], [], [], lazy=[("ZADD", listed, "GT", 5, "s1")])
+    reply, *_ = await w.script_with(SHA, SOURCE, [key], [], [], lazy=[("ZADD", listed, "GT", 5, "s1")], post=True)
     assert reply == 1
     assert seen == [[("EVALSHA", SHA)]]  # the script's own call; the lazy write went without one
     # sent on its node's shared link before this read, so the read finds it
     assert await w.call([("ZSCORE", listed, "s1")]) == [b"5"]
+    # not posted (a new session's first place in its list), it is waited for: another
+    # connection's read right after finds it too
+    seen.clear()
+    await w.script_with(SHA, SOURCE, [key], [], [], lazy=[("ZADD", listed, "GT", 6, "s2")])
+    assert seen == [[("EVALSHA", SHA)], [("ZADD", listed)]]
+    assert await client.zscore(listed, "s2") == 6
 
 
 async def test_a_lazy_write_goes_the_long_way_when_its_node_is_new_or_its_slot_moved(
@@ -131,7 +137,7 @@ async def test_a_lazy_write_goes_the_long_way_when_its_node_is_new_or_its_slot_m
     cache = client.nodes_manager.slots_cache
     cache[key_slot(moved.encode())] = list(cache[key_slot(key.encode())])
     lazy = [("ZADD", fresh, "GT", 7, "s1"), ("ZADD", moved, "GT", 8, "s1")]
-    assert (await w.script_with(SHA, SOURCE, [key], [], [], lazy=lazy))[0] == 1
+    assert (await w.script_with(SHA, SOURCE, [key], [], [], lazy=lazy, post=True))[0] == 1
     await w.close()  # (waits for the lazy writes still on their way)
     assert await client.zscore(fresh, "s1") == 7
     assert await client.zscore(moved, "s1") == 8
