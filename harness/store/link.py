@@ -176,10 +176,12 @@ class RespLink(asyncio.Protocol):
             transport.write(data)
         else:  # (others in flight, or posted: with the next write, at the loop's turn or later)
             self._out.append(data)
-            if hurry and not self._soon:
+            if self._soon:
+                pass  # (a write at the loop's next turn takes it)
+            elif hurry:
                 self._soon = True
                 loop.call_soon(self._flush)
-            elif not hurry and not self._soon and self._later is None:
+            elif self._later is None:
                 self._later = loop.call_later(POST_WAIT_S, self._flush)
         self._calls.append(call)
         return call

@@ -103,10 +103,15 @@ class Pool:
             raise ConnectionError(f"too many Redis connections in use ({self._max})")
         return await self._open()
 
+    def _open_link(self) -> RespLink | None:
+        """The shared link, if it is open."""
+        link = self._shared
+        return link if link is not None and link.reusable else None
+
     async def _shared_link(self) -> RespLink:
         """The link every call that does not block goes on (made once, by the first who needs it)."""
-        link = self._shared
-        if link is not None and link.reusable:
+        link = self._open_link()
+        if link is not None:
             return link
         if self._opening is None:
             self._opening = asyncio.ensure_future(self._open_shared())
@@ -129,8 +134,8 @@ class Pool:
         """`commands` on the shared link without waiting for their replies (`RespLink.post`:
         `done` gets them; so does the future returned); None, and nothing sent, if that link is
         not open (or the commands would block it): the caller then calls."""
-        shared = self._shared
-        if not self._resp or shared is None or not shared.reusable or blocks(commands):
+        shared = self._open_link()
+        if not self._resp or shared is None or blocks(commands):
             return None
         return shared.post(pack(commands), len(commands), done)
 
@@ -144,9 +149,7 @@ class Pool:
         data = pack(commands)
         deadline = asyncio.get_running_loop().time() + self.timeout
         if self._resp and not blocks(commands):
-            shared = self._shared
-            if shared is None or not shared.reusable:
-                shared = await self._shared_link()
+            shared = self._open_link() or await self._shared_link()  # (no coroutine when it is open)
             try:
                 return await shared.call(data, len(commands), deadline)
             except TimeoutError:
