@@ -117,7 +117,7 @@ class Runner:
         given, self._given = self._given, {}
         for sid, jobs in given.items():
             await self.store.add_job(sid)
-            await self.jobs.done(sid, jobs)
+            await self.jobs.done(jobs)
         self.stats.handed_over += len(given)
         return len(given)
 
@@ -237,7 +237,7 @@ class Runner:
         since the job was added, or running): a job this process added itself, most likely."""
         covered = self._covered.get(sid)
         if covered is not None and job <= covered:
-            self.jobs.ack(sid, job)
+            self.jobs.ack(job)
             return True
         mine = sid in self._hand
         self._run(sid, job)
@@ -301,7 +301,7 @@ class Runner:
             del self._hand[sid]
             if drained:
                 for job in state.jobs:
-                    self.jobs.ack(sid, job)
+                    self.jobs.ack(job)
             elif self._leaving.is_set():
                 self._given.setdefault(sid, []).extend(state.jobs)
 

@@ -3,7 +3,8 @@
 The job streams. A turn job says only "session X has work": the session inbox is the truth,
 so a duplicate job is harmless and a job is acknowledged once its session's inbox was drained
 (or handed to a live lease holder). Jobs are `JobId`s, ordered as the stream orders them (a
-session's jobs are all on one stream, so its jobs compare); acknowledgements are batched here."""
+session's jobs are all on one stream, so its jobs compare), each acknowledged on the stream it
+came from; acknowledgements are batched here."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import os
 import socket
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ResponseError
@@ -30,7 +31,23 @@ log = logging.getLogger("keel.runner")
 CLUSTER_SHARDS = 8  # job streams on a cluster by default: spread over up to 8 primaries
 ACK_BATCH = 256  # acknowledge at once when this many jobs wait ...
 ACK_DELAY_S = 0.05  # ... else after this long, together
-JobId = StreamId  # a job: its place in its stream (a session's jobs compare; str() is its id)
+
+
+class JobId(NamedTuple):
+    """A job: its place in its stream, ordered as Redis orders them (a session's jobs compare),
+    and which of the job streams holds it (`JobShards`: where it is acknowledged, whatever the
+    session's shard is now; a job written before an upgrade moved it, say). str() is its id."""
+
+    ms: int
+    seq: int
+    shard: int = 0
+
+    @classmethod
+    def parse(cls, text: str, shard: int = 0) -> JobId:
+        return cls(*StreamId.parse(text), shard)
+
+    def __str__(self) -> str:
+        return f"{self.ms}-{self.seq}"
 
 
 def consumer_name() -> str:
@@ -49,11 +66,13 @@ class JobQueue:
         stream: str = JOBS,
         group: str = JOBS_GROUP,
         wire: AnyWire | None = None,
+        shard: int = 0,
     ) -> None:
         self.redis = redis
         self.wire = wire  # (if given, reads and acknowledgements go this way: see `wire`)
         self.consumer = consumer or consumer_name()
         self.stream = stream
+        self.shard = shard  # (its place among `JobShards`: its jobs say so)
         self.group = group
         self._claim_from = "0-0"
 
@@ -77,7 +96,7 @@ class JobQueue:
                 (res,) = raised(await self.wire.call([(*read, "STREAMS", self.stream, ">")]))
                 # (as RESP has it: [[stream, [[id, [field, value, ...]], ...]]], or nil)
                 jobs = [(jid, kv) for _, entries in res or () for jid, kv in entries]
-                return [(JobId.parse(jid.decode()), _field(kv, b"s")) for jid, kv in jobs]
+                return [(JobId.parse(jid.decode(), self.shard), _field(kv, b"s")) for jid, kv in jobs]
             got: Any = await self.redis.xreadgroup(
                 self.group, self.consumer, {self.stream: ">"}, count=count, block=block_ms
             )
@@ -86,7 +105,8 @@ class JobQueue:
                 raise
             await self.ensure_group()
             return []
-        return [(JobId.parse(jid.decode()), fields[b"s"].decode()) for _, entries in got for jid, fields in entries]
+        found = [(jid, fields) for _, entries in got for jid, fields in entries]
+        return [(JobId.parse(jid.decode(), self.shard), fields[b"s"].decode()) for jid, fields in found]
 
     @translated
     async def reclaim(self, min_idle_ms: int, count: int = 100) -> list[tuple[JobId, str]]:
@@ -103,7 +123,7 @@ class JobQueue:
             return []
         self._claim_from = claimed[0].decode()  # next call goes on from here ("0-0": round again)
         entries = claimed[1]
-        return [(JobId.parse(jid.decode()), fields[b"s"].decode()) for jid, fields in entries if fields]
+        return [(JobId.parse(jid.decode(), self.shard), fields[b"s"].decode()) for jid, fields in entries if fields]
 
     @translated
     async def depth(self) -> Depth:
@@ -140,31 +160,37 @@ class JobShards:
     ) -> None:
         if shards <= 0:
             shards = CLUSTER_SHARDS if isinstance(redis, RedisCluster) else 1
-        self.queues = [JobQueue(redis, consumer=consumer, stream=s, wire=wire) for s in job_streams(shards)]
-        self._acks: list[tuple[str, JobId]] = []  # (session, job): done soon, together
+        self.queues = [
+            JobQueue(redis, consumer=consumer, stream=s, wire=wire, shard=n) for n, s in enumerate(job_streams(shards))
+        ]
+        self._acks: list[JobId] = []  # done soon, together
         self._acking: asyncio.Task[None] | None = None
 
     def of(self, sid: str) -> JobQueue:
         return self.queues[job_shard(sid, len(self.queues))]
 
     def job(self, sid: str) -> tuple[str, ...]:
-        """The command that adds the job for `sid` (sent with the write it goes with); its
-        reply is the job id (`JobId.parse` it)."""
+        """The command that adds the job for `sid` (sent with the write it goes with); `added`
+        reads its reply."""
         return ("XADD", self.of(sid).stream, "*", "s", sid)
+
+    def added(self, sid: str, reply: bytes) -> JobId:
+        """The job `job(sid)` added, from its reply."""
+        return JobId.parse(reply.decode(), job_shard(sid, len(self.queues)))
 
     async def ensure_groups(self) -> None:
         for queue in self.queues:
             await queue.ensure_group()
 
-    async def done(self, sid: str, jobs: Sequence[JobId]) -> None:
-        """Acknowledge (and delete) the session's jobs now."""
-        if jobs:
-            await self.of(sid).done(*jobs)
+    async def done(self, jobs: Sequence[JobId]) -> None:
+        """Acknowledge (and delete) these jobs now, each on its stream."""
+        for shard, of_shard in sorted(_by_shard(jobs).items()):
+            await self.queues[shard].done(*of_shard)
 
-    def ack(self, sid: str, job: JobId) -> None:
-        """Acknowledge the session's job soon, with others (lost in a crash, it is reclaimed and
-        finds nothing to do)."""
-        self._acks.append((sid, job))
+    def ack(self, job: JobId) -> None:
+        """Acknowledge the job soon, with others (lost in a crash, it is reclaimed and finds
+        nothing to do)."""
+        self._acks.append(job)
         if self._acking is None:
             self._acking = asyncio.create_task(self._flush_acks())
 
@@ -174,11 +200,7 @@ class JobShards:
                 await asyncio.sleep(ACK_DELAY_S)
             while self._acks:
                 batch, self._acks = self._acks, []
-                by_queue: dict[int, list[JobId]] = {}
-                for sid, job in batch:
-                    by_queue.setdefault(job_shard(sid, len(self.queues)), []).append(job)
-                for n, jobs in sorted(by_queue.items()):
-                    await self.queues[n].done(*jobs)
+                await self.done(batch)
         except Exception as exc:
             log.warning("runner: acknowledging jobs failed (%s); they will be reclaimed", exc)
         finally:
@@ -194,6 +216,13 @@ class JobShards:
         """Jobs not done on every shard; the oldest's age over them all."""
         depths = await asyncio.gather(*(q.depth() for q in self.queues))  # (on a cluster: at once, node by node)
         return Depth(sum(d.jobs for d in depths), max(d.oldest_s for d in depths))
+
+
+def _by_shard(jobs: Sequence[JobId]) -> dict[int, list[JobId]]:
+    by: dict[int, list[JobId]] = {}
+    for job in jobs:
+        by.setdefault(job.shard, []).append(job)
+    return by
 
 
 def _field(flat: list[bytes], name: bytes) -> str:

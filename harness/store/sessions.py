@@ -533,7 +533,7 @@ class Store:
         (job_id,) = await self.wire.call([self.jobs.job(sid)])
         if isinstance(job_id, Exception):
             raise job_id
-        return JobId.parse(job_id.decode())
+        return self.jobs.added(sid, job_id)
 
     async def _with_job(
         self,
@@ -566,7 +566,7 @@ class Store:
             self._known.pop(sid, None)
             raise _missing(sid)
         self._remember(sid, owner)
-        return res, JobId.parse(job_id.decode())
+        return res, self.jobs.added(sid, job_id)
 
     @translated
     async def look(self, sid: str, owner: str) -> None:

@@ -12,6 +12,7 @@ from harness import Agent
 from harness.errors import StaleLease
 from harness.models import ModelReply, ModelRequest, ScriptedModel
 from harness.store import Begun, Busy
+from harness.store.keys import job_shard, job_streams
 
 
 async def test_racing_begins_let_exactly_one_runner_in(make_harness: Any) -> None:
@@ -70,3 +71,24 @@ async def test_a_worker_goes_on_when_redis_lost_the_job_stream(make_harness: Any
     sid = await web.sessions.create("anon")
     turn = await web.sessions.wait_turn(await web.sessions.submit(sid, "anon", "after"), 10)
     assert turn.status == "completed" and turn.reply == "hi"
+
+
+async def test_a_job_is_acknowledged_on_the_stream_it_came_from(make_harness: Any, redis: Any) -> None:
+    """A session's job on another stream than its shard (written by a keel that chose shards
+    otherwise, before an upgrade) runs the session's message and is acknowledged where it is:
+    it is not left there to be reclaimed again and again."""
+    agent = Agent(instructions="t", model=ScriptedModel(lambda r: ModelReply(text="hi")))
+    web = await make_harness(agent, run_turns=False, job_shards=4)
+    sid = await web.sessions.create("anon")
+    streams = job_streams(4)
+    own, other = streams[job_shard(sid, 4)], streams[(job_shard(sid, 4) + 1) % 4]
+    sent = await web.sessions.submit(sid, "anon", "hello")
+    ((job, _),) = await redis.xrange(own)
+    await redis.xdel(own, job)  # (the job as the earlier keel wrote it: on another stream)
+    await redis.xadd(other, {"s": sid})
+    await make_harness(agent, job_shards=4)  # the worker
+    assert (await web.sessions.wait_turn(sent, 10)).reply == "hi"
+    async with asyncio.timeout(5):
+        while await redis.xlen(other):  # noqa: ASYNC110 (acknowledged within ACK_DELAY_S: no event to wait on)
+            await asyncio.sleep(0.01)
+    assert await redis.xlen(own) == 0 and (await redis.xpending(other, "runners"))["pending"] == 0
