@@ -59,8 +59,12 @@ local function mget(f)
   if MC[f] == nil then mneed(f) end
   return MC[f]
 end
-local function mset(f, v)
+local function mset(f, v)  -- (a field set to what it holds is not written: an integer as the string read)
+  local was = MC[f]
   MC[f] = v
+  if was == v or (type(v) == 'number' and was == tostring(v) and v == math.floor(v) and math.abs(v) < 1e14) then
+    return
+  end
   MD[f] = true
 end
 local function msets(t)  -- (field -> value)

@@ -232,7 +232,8 @@ COMMIT = (
     + _USAGE
     + _STICKY
     + """
-mneed('owner', 'turn', 'cancel', 'seq', 'u_in', 'u_out', 'u_cached', 'u_calls', 'hist_base', 'interrupts', 'ob_due')
+mneed('owner', 'turn', 'cancel', 'seq', 'u_in', 'u_out', 'u_cached', 'u_calls', 'hist_base', 'interrupts', 'ob_due',
+  'status', 'held', 'waiting_on', 'undecided', 'announced')  -- (those a turn's end sets: unchanged ones not written)
 if not mget('owner') then return reply({tag = 'stale'}) end
 local ids = {}
 if A.usage then ids[1] = record_usage(A.retention, A.usage) end
