@@ -236,7 +236,7 @@ class Runner:
         """Take a job off the stream. True if its session was in hand here already (drained
         since the job was added, or running): a job this process added itself, most likely."""
         covered = self._covered.get(sid)
-        if covered is not None and job <= covered:
+        if covered is not None and job.seen_by(covered):
             self.jobs.ack(job)
             return True
         mine = sid in self._hand

@@ -77,7 +77,7 @@ class InHand:
         self.jobs.append(job)
         if self.wake is not None:  # (another runner's drain gave the session back, maybe)
             self.wake.set()
-        if self.mark is None or job > self.mark:
+        if self.mark is None or not job.seen_by(self.mark):
             self.again = True
 
     def round(self) -> JobId | None:
@@ -91,4 +91,4 @@ class InHand:
 
     def covers(self, job: JobId) -> bool:
         """Whether the running drain began after `job` was added (so it sees its work)."""
-        return self.mark is not None and job <= self.mark
+        return self.mark is not None and job.seen_by(self.mark)

@@ -49,6 +49,13 @@ class JobId(NamedTuple):
     def __str__(self) -> str:
         return f"{self.ms}-{self.seq}"
 
+    def seen_by(self, mark: JobId) -> bool:
+        """Whether this job was added no later than `mark` (a drain that began after `mark` was
+        added sees its work). Known only for jobs of one stream: ids of two streams (a session's
+        jobs around an upgrade that moved its shard) do not order their writes, so a job of
+        another stream is never taken as seen."""
+        return self.shard == mark.shard and self <= mark
+
 
 def consumer_name() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"

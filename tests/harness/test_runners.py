@@ -11,7 +11,8 @@ import pytest
 from harness import Agent
 from harness.errors import StaleLease
 from harness.models import ModelReply, ModelRequest, ScriptedModel
-from harness.store import Begun, Busy
+from harness.runner.state import InHand, Phase
+from harness.store import Begun, Busy, JobId
 from harness.store.keys import job_shard, job_streams
 
 
@@ -92,3 +93,19 @@ async def test_a_job_is_acknowledged_on_the_stream_it_came_from(make_harness: An
         while await redis.xlen(other):  # noqa: ASYNC110 (acknowledged within ACK_DELAY_S: no event to wait on)
             await asyncio.sleep(0.01)
     assert await redis.xlen(own) == 0 and (await redis.xpending(other, "runners"))["pending"] == 0
+
+
+def test_a_job_of_another_stream_is_never_taken_as_seen_by_a_drain() -> None:
+    """Around an upgrade that moved a session's shard its jobs are on two streams, whose ids do
+    not order their writes (another node's stream, the same millisecond): such a job makes the
+    drain go round again instead of being acknowledged as seen, which could leave its message
+    waiting in the inbox."""
+    state = InHand(Phase.DRAINING)
+    state.got(JobId(1_000, 5, shard=0))
+    mark = state.round()
+    assert mark == JobId(1_000, 5, shard=0) and not state.again
+    assert state.covers(JobId(1_000, 4, shard=0))  # (the same stream: added before the mark)
+    elsewhere = JobId(1_000, 0, shard=1)  # (added after the drain began, on another stream)
+    assert not state.covers(elsewhere) and not elsewhere.seen_by(mark)
+    state.got(elsewhere)
+    assert state.again
