@@ -88,6 +88,14 @@ class ValkeyCluster:
         return f"redis://127.0.0.1:{self.primaries[0]}"
 
     def start(self) -> None:
+        """Start the nodes and join them; on any failure every node started is stopped again."""
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self) -> None:
         self.procs = [self._spawn(port) for port in self.ports]
         for n in range(len(self.procs)):
             self._wait_up(n)
@@ -113,7 +121,7 @@ class ValkeyCluster:
 
     def _spawn(self, port: int) -> subprocess.Popen[bytes]:
         node_dir = os.path.join(self.dir, str(port))
-        os.makedirs(node_dir)
+        os.makedirs(node_dir, exist_ok=True)  # (a port picked again after its node's bus port was taken)
         args = [str(get_binary_path()), "--port", str(port), "--bind", "127.0.0.1", "--dir", node_dir]
         args += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
         args += ["--cluster-node-timeout", "2000", "--repl-diskless-sync-delay", "0"]
@@ -122,11 +130,12 @@ class ValkeyCluster:
         return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def _wait_up(self, n: int, tries: int = 3) -> None:
-        """Wait until node `n` answers. One that exits (another process took its port or its
-        bus port since they were picked) is started again on new ports, up to `tries` times."""
+        """Wait until node `n` answers (itself: not another server that took its port). One that
+        exits (another process took its port or its bus port since they were picked) is
+        started again on new ports, up to `tries` times."""
         for _ in range(tries):
             port, proc = self.ports[n], self.procs[n]
-            _wait(lambda p=proc, q=port: p.poll() is not None or self._answers(q), 30, f"start node {port}")
+            _wait(lambda p=proc, q=port: p.poll() is not None or self._runs(q, p), 30, f"start node {port}")
             if proc.poll() is None:
                 return
             new, bus = _free_ports(2)
@@ -146,10 +155,11 @@ class ValkeyCluster:
     def _nodes(self, port: int) -> bytes:
         return _command(port, "CLUSTER", "NODES")
 
-    def _answers(self, port: int) -> bool:
+    def _runs(self, port: int, proc: subprocess.Popen[bytes]) -> bool:
+        """Whether the server that answers on `port` is `proc`."""
         try:
-            return _command(port, "PING", timeout=0.5).startswith(b"+PONG")
-        except OSError:
+            return f"process_id:{proc.pid}\r\n".encode() in _command(port, "INFO", "server", timeout=0.5)
+        except (OSError, RuntimeError):  # (not listening yet; an error reply: loading)
             return False
 
     def _known(self, port: int) -> int:

@@ -309,7 +309,7 @@ class Runner:
         if len(self._covered) >= COVERED_MAX:
             self._covered.clear()
         prev = self._covered.get(sid)
-        if prev is None or job > prev:
+        if prev is None or not job.seen_by(prev):  # (a mark of another stream: the newer one wins)
             self._covered[sid] = job
 
     async def _drain(self, sid: str, state: InHand, first: Begun | None = None) -> bool:

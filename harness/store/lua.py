@@ -341,13 +341,14 @@ return reply({held = redis.call('PEXPIRE', K.lease, A.ttl_ms) == 1})
 
 # Gives the lease up only for its owner: the turn in progress, if any, is no longer held (a
 # runner that hands it over to another when its process drains; the next BEGIN resumes it as
-# given, not as taken over from a lapsed lease).
+# given, not as taken over from a lapsed lease). The lease has a deadline of its own and may
+# outlive its session: of a session that is no more, only the lease goes.
 RELEASE = (
     _COMMON
     + """
 if redis.call('GET', K.lease) ~= A.fence then return reply({held = false}) end
 redis.call('DEL', K.lease)
-mset('held', 0)
+if mget('owner') then mset('held', 0) end
 return reply({held = true})
 """
 )

@@ -108,6 +108,24 @@ async def test_every_write_leaves_the_session_on_one_deadline(redis: Redis, stor
     assert await one(sid) == ended  # a deadline this fresh is left as it is (no PEXPIRE per key)
 
 
+async def test_a_lease_given_up_after_its_session_expired_makes_nothing_again(redis: Redis, stores: Any) -> None:
+    """A session's lease has a deadline of its own and may outlive the rest of the session: a
+    runner that gives it up (a drain's hand-over) once the session expired writes nothing of it
+    again, no meta without an owner or an expiry left behind for good."""
+    store = stores()
+    store.ttl_ms = 3_600_000
+    await store.start()
+    sid = "ses_0000000000000000000000ttl2"
+    await store.create(sid, "o", {})
+    await store.submit(sid, "o", InboxMessage(message_id="m1", turn_id="turn_1", text="hi"))
+    begun = await store.begin(sid, "", 60_000)
+    assert isinstance(begun, Begun)
+    lease = SessionKeys(sid).lease
+    await redis.delete(*(await keys_of(redis, sid) - {lease}))  # (as the session's deadline does: all but the lease)
+    await store.release(sid, begun.fence)
+    assert await keys_of(redis, sid) == set()
+
+
 async def test_without_a_ttl_nothing_of_a_session_expires_but_old_events(make_harness: Any, redis: Redis) -> None:
     h: Harness = await make_harness(approving_agent(), session_ttl_ms=0, event_retention_ms=3_600_000)
     sid = await h.sessions.create("o")
