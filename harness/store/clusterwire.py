@@ -251,9 +251,7 @@ class ClusterWire:
 
     async def _lazy(self, lazy: Sequence[Sequence[Any]]) -> None:
         try:
-            for reply in await self.call(lazy):
-                if isinstance(reply, Exception):
-                    raise reply
+            raised(await self.call(lazy))
         except Exception as exc:  # (best effort: a page drops what is gone, the next activity adds it back)
             log.warning("a lazy write after a script failed: %s", exc)
 

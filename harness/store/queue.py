@@ -183,7 +183,7 @@ class JobShards:
 
     def added(self, sid: str, reply: bytes) -> JobId:
         """The job `job(sid)` added, from its reply."""
-        return JobId.parse(reply.decode(), job_shard(sid, len(self.queues)))
+        return JobId.parse(reply.decode(), self.of(sid).shard)
 
     async def ensure_groups(self) -> None:
         for queue in self.queues:
