@@ -3,7 +3,7 @@ and against keel, in one run.
 
     python deploy/bench/lower_bound.py [--turns 1500] [--rounds 6]
 
-Four ways to make a sequential plain turn, in one process, against one private Valkey (AOF
+Five ways to make a sequential plain turn, in one process, against one private Valkey (AOF
 everysec, as the peers' benchmarks), in alternating blocks of `--turns` turns:
 
 - floor: the peers' bare limit (`floor/bench_bare.py`): LRANGE, then one Lua script (RPUSH of
@@ -16,6 +16,11 @@ everysec, as the peers' benchmarks), in alternating blocks of `--turns` turns:
   inbox and lease given back, the meta updated (one script). Python does no more than build those
   strings;
 - least, keel's wire: the same scripts through keel's own connection (`harness.store.wire`);
+- keel's store alone: keel's own store layer and scripts, driven directly as a runner would
+  for a plain reply (`Store.submit` beginning the turn, `Store.commit` ending it with the reply,
+  its usage and events): what keel's storage costs without its service, runner, turn loop,
+  model call, event hub and waiter (a harness of its own, not started, whose jobs go to job
+  streams nobody reads);
 - keel: `Sessions.submit_and_wait` with the zero-latency scripted model (as bench_keel.py).
 
 Each way starts a new session every 300 turns, as the peers' sequential run does (keel's prompt
@@ -55,8 +60,13 @@ from support import Deadline, start_valkey, stop_process  # the sibling module  
 from app import build_harness  # noqa: E402
 from app.settings import Settings  # noqa: E402
 from harness import Agent  # noqa: E402
+from harness.events import MessageCompletedData, TurnCompletedData, pending  # noqa: E402
+from harness.ids import new_id  # noqa: E402
+from harness.loop.prompt import user_item  # noqa: E402
 from harness.models import ScriptedModel  # noqa: E402
+from harness.store.types import UsageRecord  # noqa: E402
 from harness.store.wire import Wire  # noqa: E402
+from harness.types import InboxMessage, Item, Usage  # noqa: E402
 
 FLOOR = """
 redis.call('RPUSH', KEYS[1], ARGV[1], ARGV[2])
@@ -141,7 +151,7 @@ JOB = ("XADD", "least:{jobs}:stream", "MAXLEN", "~", "1000", "*", "s", "x")
 
 
 async def ways(redis: Redis, port: int) -> tuple[dict[str, Turn], Callable[[], Awaitable[None]]]:
-    """The four ways, ready to run, and what closes them."""
+    """The five ways, ready to run, and what closes them."""
     for source in (FLOOR, SUBMIT, COMMIT):
         await redis.script_load(source)
 
@@ -179,14 +189,36 @@ async def ways(redis: Redis, port: int) -> tuple[dict[str, Turn], Callable[[], A
         )
         assert res.status == "completed", res
 
+    # (two job streams: not the one the started harness's runner reads)
+    alone = build_harness(Settings(job_shards=2), f"redis://127.0.0.1:{port}", agent)
+    alone_sids: list[str] = []
+
+    async def store_alone(i: int) -> None:
+        if i % SESSION_TURNS == 0 or not alone_sids:
+            alone_sids.append(await alone.sessions.create("bench"))
+        sid, message = alone_sids[-1], InboxMessage(message_id=new_id("msg"), turn_id=new_id("turn"), text="hello")
+        began = (await alone.store.submit(sid, "bench", message, begin_lease_ms=30_000)).began
+        assert began is not None
+        tid = message.turn_id
+        reply = Item(id=new_id("it"), role="assistant", text="hi there", turn_id=tid)
+        events = [
+            pending(tid, MessageCompletedData(reply.id, reply.text)),
+            pending(tid, TurnCompletedData(message.message_id, reply.text)),
+        ]
+        usage = UsageRecord(0, Usage(input_tokens=600, output_tokens=6), None)
+        items = [user_item(message), reply]
+        await alone.store.commit(sid, began.fence, tid, items, events, mode="final", usage=usage, guard=True)
+
     async def close() -> None:
         await harness.stop()
+        await alone.stop()
         await wire.close()
 
     turns: dict[str, Turn] = {
         "floor": floor,
         "least, redis-py": least_py.turn,
         "least, keel's wire": least_wire.turn,
+        "keel's store alone": store_alone,
         "keel": keel,
     }
     return turns, close
@@ -246,7 +278,7 @@ async def run(port: int, turns: int, rounds: int) -> dict[str, Any]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--turns", type=int, default=1500, help="turns a block (default 1500)")
-    parser.add_argument("--rounds", type=int, default=6, help="rounds of the four blocks (default 6)")
+    parser.add_argument("--rounds", type=int, default=6, help="rounds of the five blocks (default 6)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         valkey, port = start_valkey(Path(tmp), Deadline(600))
