@@ -3,7 +3,7 @@ and against keel, in one run.
 
     python deploy/bench/lower_bound.py [--turns 1500] [--rounds 6]
 
-Five ways to make a sequential plain turn, in one process, against one private Valkey (AOF
+Six ways to make a sequential plain turn, in one process, against one private Valkey (AOF
 everysec, as the peers' benchmarks), in alternating blocks of `--turns` turns:
 
 - floor: the peers' bare limit (`floor/bench_bare.py`): LRANGE, then one Lua script (RPUSH of
@@ -21,6 +21,9 @@ everysec, as the peers' benchmarks), in alternating blocks of `--turns` turns:
   its usage and events): what keel's storage costs without its service, runner, turn loop,
   model call, event hub and waiter (a harness of its own, not started, whose jobs go to job
   streams nobody reads);
+- keel's store + turn loop: the same, with the turn loop (`Turn.run`: the prompt, the model
+  call with its attempts, metrics and tracing hooks, the commit) in place of the hand-made
+  commit: what the runner, the service and the waiter add is the rest;
 - keel: `Sessions.submit_and_wait` with the zero-latency scripted model (as bench_keel.py).
 
 Each way starts a new session every 300 turns, as the peers' sequential run does (keel's prompt
@@ -62,9 +65,11 @@ from app.settings import Settings  # noqa: E402
 from harness import Agent  # noqa: E402
 from harness.events import MessageCompletedData, TurnCompletedData, pending  # noqa: E402
 from harness.ids import new_id  # noqa: E402
+from harness.loop.outcomes import Final  # noqa: E402
 from harness.loop.prompt import user_item  # noqa: E402
+from harness.loop.turn import Turn  # noqa: E402
 from harness.models import ScriptedModel  # noqa: E402
-from harness.store.types import UsageRecord  # noqa: E402
+from harness.store.types import Begun, UsageRecord  # noqa: E402
 from harness.store.wire import Wire  # noqa: E402
 from harness.types import InboxMessage, Item, Usage  # noqa: E402
 
@@ -108,7 +113,7 @@ redis.call('HSET', KEYS[1], 'seq', seq + 3, 'status', 'idle', 'turn', '',
 return 'ok'
 """
 
-Turn = Callable[[int], Awaitable[None]]
+Way = Callable[[int], Awaitable[None]]  # one turn (the `int`: its number in the run)
 Call = Callable[[str, str, list[str], list[Any], bool], Awaitable[Any]]  # sha, source, keys, args, with the job
 
 
@@ -150,8 +155,71 @@ SESSION_TURNS = 300  # turns a session (the peers' sequential run: 300 turns on 
 JOB = ("XADD", "least:{jobs}:stream", "MAXLEN", "~", "1000", "*", "s", "x")
 
 
-async def ways(redis: Redis, port: int) -> tuple[dict[str, Turn], Callable[[], Awaitable[None]]]:
-    """The five ways, ready to run, and what closes them."""
+class Keel:
+    """keel's three ways: whole (a started harness), and its store alone and its store with the
+    turn loop, each driven as a runner drives them for a plain reply (a harness of their own, not
+    started, whose jobs go to job streams nobody reads)."""
+
+    def __init__(self, port: int) -> None:
+        self.agent = Agent(instructions="You are a test agent.", tools=[add], model=ScriptedModel(plain, keep=0))
+        self.harness = build_harness(Settings(), f"redis://127.0.0.1:{port}", self.agent)
+        # (two job streams: not the one the started harness's runner reads)
+        self.alone = build_harness(Settings(job_shards=2), f"redis://127.0.0.1:{port}", self.agent)
+        self.sids: list[str] = []
+        self.alone_sids: list[str] = []
+
+    @classmethod
+    async def started(cls, port: int) -> Keel:
+        keel = cls(port)
+        await keel.harness.start()
+        return keel
+
+    async def stop(self) -> None:
+        await self.harness.stop()
+        await self.alone.stop()
+
+    async def whole(self, i: int) -> None:
+        if i % SESSION_TURNS == 0 or not self.sids:
+            self.sids.append(await self.harness.sessions.create("bench"))
+        res = await self.harness.sessions.submit_and_wait(
+            self.sids[-1], "bench", "hello", context=None, message_id=None, timeout=30
+        )
+        assert res.status == "completed", res
+
+    async def _begin(self, i: int) -> tuple[str, InboxMessage, Begun]:
+        """A message recorded and its turn begun, as a runner's reserved SUBMIT does."""
+        if i % SESSION_TURNS == 0 or not self.alone_sids:
+            self.alone_sids.append(await self.alone.sessions.create("bench"))
+        sid, message = self.alone_sids[-1], InboxMessage(message_id=new_id("msg"), turn_id=new_id("turn"), text="hello")
+        began = (await self.alone.store.submit(sid, "bench", message, begin_lease_ms=30_000)).began
+        assert began is not None
+        return sid, message, began
+
+    async def store_alone(self, i: int) -> None:
+        sid, message, began = await self._begin(i)
+        tid = message.turn_id
+        reply = Item(id=new_id("it"), role="assistant", text="hi there", turn_id=tid)
+        events = [
+            pending(tid, MessageCompletedData(reply.id, reply.text)),
+            pending(tid, TurnCompletedData(message.message_id, reply.text)),
+        ]
+        usage = UsageRecord(0, Usage(input_tokens=600, output_tokens=6), None)
+        items = [user_item(message), reply]
+        await self.alone.store.commit(sid, began.fence, tid, items, events, mode="final", usage=usage, guard=True)
+
+    async def turn_loop(self, i: int) -> None:
+        sid, _, began = await self._begin(i)
+        runner = self.alone.runner
+        assert runner is not None
+        turn = Turn(
+            self.alone.store, self.agent, sid, began, calls=runner.calls, stats=runner.stats, tools=runner.toolbox()
+        )
+        outcome = await turn.run()
+        assert isinstance(outcome, Final), outcome
+
+
+async def ways(redis: Redis, port: int) -> tuple[dict[str, Way], Callable[[], Awaitable[None]]]:
+    """The six ways, ready to run, and what closes them."""
     for source in (FLOOR, SUBMIT, COMMIT):
         await redis.script_load(source)
 
@@ -176,50 +244,19 @@ async def ways(redis: Redis, port: int) -> tuple[dict[str, Turn], Callable[[], A
 
     least_py, least_wire = Least(on_redis_py, redis, "py"), Least(on_wire, redis, "wire")
 
-    agent = Agent(instructions="You are a test agent.", tools=[add], model=ScriptedModel(plain, keep=0))
-    harness = build_harness(Settings(), f"redis://127.0.0.1:{port}", agent)
-    await harness.start()
-    sids: list[str] = []
-
-    async def keel(i: int) -> None:
-        if i % SESSION_TURNS == 0 or not sids:
-            sids.append(await harness.sessions.create("bench"))
-        res = await harness.sessions.submit_and_wait(
-            sids[-1], "bench", "hello", context=None, message_id=None, timeout=30
-        )
-        assert res.status == "completed", res
-
-    # (two job streams: not the one the started harness's runner reads)
-    alone = build_harness(Settings(job_shards=2), f"redis://127.0.0.1:{port}", agent)
-    alone_sids: list[str] = []
-
-    async def store_alone(i: int) -> None:
-        if i % SESSION_TURNS == 0 or not alone_sids:
-            alone_sids.append(await alone.sessions.create("bench"))
-        sid, message = alone_sids[-1], InboxMessage(message_id=new_id("msg"), turn_id=new_id("turn"), text="hello")
-        began = (await alone.store.submit(sid, "bench", message, begin_lease_ms=30_000)).began
-        assert began is not None
-        tid = message.turn_id
-        reply = Item(id=new_id("it"), role="assistant", text="hi there", turn_id=tid)
-        events = [
-            pending(tid, MessageCompletedData(reply.id, reply.text)),
-            pending(tid, TurnCompletedData(message.message_id, reply.text)),
-        ]
-        usage = UsageRecord(0, Usage(input_tokens=600, output_tokens=6), None)
-        items = [user_item(message), reply]
-        await alone.store.commit(sid, began.fence, tid, items, events, mode="final", usage=usage, guard=True)
+    keel = await Keel.started(port)
 
     async def close() -> None:
-        await harness.stop()
-        await alone.stop()
+        await keel.stop()
         await wire.close()
 
-    turns: dict[str, Turn] = {
+    turns: dict[str, Way] = {
         "floor": floor,
         "least, redis-py": least_py.turn,
         "least, keel's wire": least_wire.turn,
-        "keel's store alone": store_alone,
-        "keel": keel,
+        "keel's store alone": keel.store_alone,
+        "keel's store + turn loop": keel.turn_loop,
+        "keel": keel.whole,
     }
     return turns, close
 
@@ -278,7 +315,7 @@ async def run(port: int, turns: int, rounds: int) -> dict[str, Any]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--turns", type=int, default=1500, help="turns a block (default 1500)")
-    parser.add_argument("--rounds", type=int, default=6, help="rounds of the five blocks (default 6)")
+    parser.add_argument("--rounds", type=int, default=6, help="rounds of the six blocks (default 6)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         valkey, port = start_valkey(Path(tmp), Deadline(600))
@@ -286,10 +323,10 @@ def main() -> int:
             found = asyncio.run(run(port, args.turns, args.rounds))
         finally:
             stop_process(valkey)
-    print(f"{'way':22} {'seq p50 ms':>10} {'/ floor':>8} {'scripts us':>11} {'Valkey CPU us':>14}   ratios by round")
+    print(f"{'way':26} {'seq p50 ms':>10} {'/ floor':>8} {'scripts us':>11} {'Valkey CPU us':>14}   ratios by round")
     for name, row in found.items():
         print(
-            f"{name:22} {row['seq_p50_ms']:10.3f} {row['ratio_to_floor']:8.2f} {row['scripts_us_per_turn']:11.1f} "
+            f"{name:26} {row['seq_p50_ms']:10.3f} {row['ratio_to_floor']:8.2f} {row['scripts_us_per_turn']:11.1f} "
             f"{row['valkey_cpu_us_per_turn']:14.1f}   {row['ratios']}"
         )
     print("RESULT " + json.dumps({"rounds": args.rounds, "turns": args.turns, "ways": found}))
