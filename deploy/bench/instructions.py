@@ -148,11 +148,11 @@ def main() -> int:
     if shutil.which("valgrind") is None:
         print("needs valgrind (Debian's package valgrind)", file=sys.stderr)
         return 2
+    if args.side == "valkey" and args.mode == "http":
+        print("--side valkey counts in-process turns: --mode plain or tool", file=sys.stderr)
+        return 2
     data = Path(tempfile.mkdtemp(prefix="keel-instr-"))
     if args.side == "valkey":
-        if args.mode == "http":
-            print("--side valkey counts in-process turns: --mode plain or tool", file=sys.stderr)
-            return 2
         try:
             counts = [valkey_side(args.mode, n, data) for n in (args.short, args.long)]
         finally:

@@ -113,6 +113,14 @@ redis.call('HSET', KEYS[1], 'seq', seq + 3, 'status', 'idle', 'turn', '',
 return 'ok'
 """
 
+SESSION_TURNS = 300  # turns a session (the peers' sequential run: 300 turns on one session)
+
+
+def new_session(i: int, made: list[Any]) -> bool:
+    """Whether turn `i` begins a new session (none made yet, or the last had its turns)."""
+    return i % SESSION_TURNS == 0 or not made
+
+
 Way = Callable[[int], Awaitable[None]]  # one turn (the `int`: its number in the run)
 Call = Callable[[str, str, list[str], list[Any], bool], Awaitable[Any]]  # sha, source, keys, args, with the job
 
@@ -127,7 +135,7 @@ class Least:
         self.keys: list[str] = []
 
     async def turn(self, i: int) -> None:
-        if i % SESSION_TURNS == 0 or not self.keys:  # (a new session, as the peers' sequential run)
+        if new_session(i, self.keys):
             tag = f"{self.tag}{i // SESSION_TURNS}"
             self.keys = [f"least:{{{tag}}}:{name}" for name in ("meta", "mids", "inbox", "outbox", "lease", "history")]
             await self.redis.hset(self.keys[0], mapping={"owner": "bench", "seq": 0, "fence": 0, "status": "idle"})
@@ -136,14 +144,14 @@ class Least:
         entry = json.dumps({"message_id": mid, "turn_id": tid, "text": "hello"})
         received = head + json.dumps({"message_id": mid, "text": "hello"}) + "}"
         started = head + json.dumps({"message_id": mid}) + "}"
-        got = await self.call(sha(SUBMIT), SUBMIT, self.keys, [mid, tid, entry, received, started], True)
+        got = await self.call(SUBMIT_SHA, SUBMIT, self.keys, [mid, tid, entry, received, started], True)
         fence, items = got[0], [json.loads(x) for x in got[1:]]
         user = json.dumps({"id": f"it_{tid}_u", "role": "user", "text": "hello", "turn_id": tid})
         reply = json.dumps({"id": f"it_{tid}_a", "role": "assistant", "text": f"hi ({len(items)})", "turn_id": tid})
         usage = head + json.dumps({"input_tokens": 600, "output_tokens": 6}) + "}"
         done = head + json.dumps({"text": "hi there"}) + "}"
         ended = head + json.dumps({"status": "completed"}) + "}"
-        answer = await self.call(sha(COMMIT), COMMIT, self.keys, [fence, tid, user, reply, usage, done, ended], False)
+        answer = await self.call(COMMIT_SHA, COMMIT, self.keys, [fence, tid, user, reply, usage, done, ended], False)
         assert answer in (b"ok", "ok"), answer
 
 
@@ -151,7 +159,9 @@ def sha(source: str) -> str:
     return hashlib.sha1(source.encode()).hexdigest()
 
 
-SESSION_TURNS = 300  # turns a session (the peers' sequential run: 300 turns on one session)
+FLOOR_SHA, SUBMIT_SHA, COMMIT_SHA = sha(FLOOR), sha(SUBMIT), sha(COMMIT)  # (once: not in the timed turns)
+
+
 JOB = ("XADD", "least:{jobs}:stream", "MAXLEN", "~", "1000", "*", "s", "x")
 
 
@@ -179,7 +189,7 @@ class Keel:
         await self.alone.stop()
 
     async def whole(self, i: int) -> None:
-        if i % SESSION_TURNS == 0 or not self.sids:
+        if new_session(i, self.sids):
             self.sids.append(await self.harness.sessions.create("bench"))
         res = await self.harness.sessions.submit_and_wait(
             self.sids[-1], "bench", "hello", context=None, message_id=None, timeout=30
@@ -188,7 +198,7 @@ class Keel:
 
     async def _begin(self, i: int) -> tuple[str, InboxMessage, Begun]:
         """A message recorded and its turn begun, as a runner's reserved SUBMIT does."""
-        if i % SESSION_TURNS == 0 or not self.alone_sids:
+        if new_session(i, self.alone_sids):
             self.alone_sids.append(await self.alone.sessions.create("bench"))
         sid, message = self.alone_sids[-1], InboxMessage(message_id=new_id("msg"), turn_id=new_id("turn"), text="hello")
         began = (await self.alone.store.submit(sid, "bench", message, begin_lease_ms=30_000)).began
@@ -228,7 +238,7 @@ async def ways(redis: Redis, port: int) -> tuple[dict[str, Way], Callable[[], Aw
         history = [json.loads(x) for x in await redis.lrange(hist, -20, -1)]
         user = json.dumps({"role": "user", "content": "hello"})
         reply = json.dumps({"role": "assistant", "content": f"hi ({len(history)} items seen)"})
-        await redis.evalsha(sha(FLOOR), 2, hist, events, user, reply, i)
+        await redis.evalsha(FLOOR_SHA, 2, hist, events, user, reply, i)
 
     async def on_redis_py(sha_: str, source: str, keys: list[str], args: list[Any], job: bool) -> Any:
         async with redis.pipeline(transaction=False) as pipe:

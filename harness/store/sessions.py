@@ -530,9 +530,7 @@ class Store:
     @translated
     async def add_job(self, sid: str) -> JobId:
         """Queue a job for the session (it has work: an answer, a cancel)."""
-        (job_id,) = await self.wire.call([self.jobs.job(sid)])
-        if isinstance(job_id, Exception):
-            raise job_id
+        (job_id,) = raised(await self.wire.call([self.jobs.job(sid)]))
         return self.jobs.added(sid, job_id)
 
     async def _with_job(
