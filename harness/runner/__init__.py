@@ -274,7 +274,9 @@ class Runner:
     async def _session(self, sid: str, first: Begun | None = None, *, held: bool = False) -> None:
         """Drain the session until no new work arrived meanwhile; then acknowledge its jobs,
         unless the lease went to another runner (which then owns the work, and the jobs stay).
-        `held`: the slot was taken already (by `reserve`)."""
+        `held`: the slot was taken already (by `reserve`). A drain that fails (storage gone
+        mid-turn) acknowledges nothing either, whatever rounds it finished before: a job read
+        for the failed round stands for work not done, and is reclaimed."""
         session_id.set(sid)
         state = self._hand[sid]
         drained = False
@@ -285,9 +287,9 @@ class Runner:
             try:
                 while True:
                     mark = state.round()
-                    drained, first = await self._drain(sid, state, first), None
-                    if not drained:
+                    if not await self._drain(sid, state, first):
                         return
+                    first = None
                     if mark is not None:
                         self._cover(sid, mark)
                     if not state.again:

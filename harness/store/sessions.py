@@ -529,8 +529,10 @@ class Store:
 
     @translated
     async def add_job(self, sid: str) -> JobId:
-        """Queue a job for the session (it has work: an answer, a cancel)."""
-        (job_id,) = raised(await self.wire.call([self.jobs.job(sid)]))
+        """Queue a job for the session (it has work: an answer, a cancel). With replicas, it is
+        acknowledged once a replica has it: the write it stands for was, and a job a failover
+        took back would leave that work with nothing to run it."""
+        (job_id,) = raised(await self.wire.call([self.jobs.job(sid)], durable=True))
         return self.jobs.added(sid, job_id)
 
     async def _with_job(
@@ -597,7 +599,7 @@ class Store:
     @translated
     async def add_relay_jobs(self, sid: str, destinations: Sequence[str]) -> None:
         """Relay jobs for the session and these destinations, in one round trip."""
-        replies = await self.wire.call([relay_job(sid, d) for d in destinations])
+        replies = await self.wire.call([relay_job(sid, d) for d in destinations], durable=True)
         for reply in replies:
             if isinstance(reply, Exception):
                 raise reply

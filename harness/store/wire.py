@@ -278,9 +278,14 @@ class Wire:
     async def close(self) -> None:
         await self.pool.close()
 
-    async def call(self, commands: Sequence[Sequence[Any]]) -> list[Any]:
-        """`Pool.call` on the server's pool."""
-        return await self.pool.call(commands)
+    async def call(self, commands: Sequence[Sequence[Any]], *, durable: bool = False) -> list[Any]:
+        """`Pool.call` on the server's pool. `durable`: the commands then wait for the replicas
+        (`Replicas`), if the wire has any: NotReplicated if they did not answer in time."""
+        if not (durable and self.replicas):
+            return await self.pool.call(commands)
+        got = await self.pool.call([*commands, self.replicas.wait()])
+        self.replicas.check(got[-1])
+        return got[:-1]
 
     async def script(self, sha: str, source: str, keys: Sequence[Any], args: Sequence[Any]) -> Any:
         """EVALSHA, its reply (see `script_with`)."""

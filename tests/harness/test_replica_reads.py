@@ -182,3 +182,29 @@ async def test_a_mark_lost_in_a_failover_is_made_again_by_a_reader(pair: Pair, l
         await reading.aclose()
     finally:
         await store.close()
+
+
+async def test_a_job_is_acknowledged_only_once_a_replica_has_it(pair: Pair, linked: tuple[Redis, Redis]) -> None:
+    """The job that wakes a session for an answer or a cancel goes after the write it stands
+    for. Acknowledged before a replica had it, a failover could take the job back and keep the
+    answer: the turn then waits for a job forever (the failover soak saw it: an answer accepted,
+    the session `running` and never resumed). Relay jobs likewise."""
+    primary, replica = linked
+    store = Store(primary, replicas=1, replica_wait_ms=WAIT_MS)
+    await store.start()
+    try:
+        await store.create("ses_r4", "o", {})
+        pair.stop_replica()
+        with pytest.raises(Unavailable) as failed:
+            await store.add_job("ses_r4")
+        assert isinstance(failed.value.__cause__, NotReplicated)
+        with pytest.raises(Unavailable):
+            await store.add_relay_jobs("ses_r4", ["hook_1"])
+
+        pair.resume_replica()
+        await caught_up(primary, replica)
+        job = await store.add_job("ses_r4")
+        # acknowledged: the replica has it already (a failover now keeps it)
+        assert await replica.xrange(store.jobs.of("ses_r4").stream, str(job), str(job)) != []
+    finally:
+        await store.close()

@@ -8,12 +8,13 @@ from typing import Any
 
 import pytest
 
-from harness import Agent
-from harness.errors import StaleLease
-from harness.models import ModelReply, ModelRequest, ScriptedModel
+from harness import Agent, tool
+from harness.errors import StaleLease, Unavailable
+from harness.models import ModelReply, ModelRequest, ScriptedModel, ToolCall
 from harness.runner.state import InHand, Phase
 from harness.store import Begun, Busy, JobId
-from harness.store.keys import job_shard, job_streams
+from harness.store.keys import JOBS_GROUP, job_shard, job_streams
+from tests.events import env
 
 
 async def test_racing_begins_let_exactly_one_runner_in(make_harness: Any) -> None:
@@ -109,3 +110,75 @@ def test_a_job_of_another_stream_is_never_taken_as_seen_by_a_drain() -> None:
     assert not state.covers(elsewhere) and not elsewhere.seen_by(mark)
     state.got(elsewhere)
     assert state.again
+
+
+async def test_a_drain_that_fails_after_a_round_leaves_its_jobs_pending(make_harness: Any, redis: Any) -> None:
+    """A drain goes round again for a job read while it ran. If storage fails in that later
+    round (a primary dying mid-turn), the jobs read stay pending, to be reclaimed: acknowledged
+    (as they were, the first round having finished), the answer that the later round was
+    resuming had no job left, and its turn never ran again (the failover soak saw a session
+    `running` for good after an accepted answer)."""
+
+    @tool(approval=True)
+    def charge(amount: int) -> str:
+        """Charge."""
+        return f"charged {amount}"
+
+    def script(r: ModelRequest) -> ModelReply:
+        last = r.messages[-1]
+        if last.role == "user" and last.text == "pay":
+            return ModelReply(tool_calls=[ToolCall("charge", {"amount": 5})])
+        return ModelReply(text=f"re:{last.text}")
+
+    agent = Agent(instructions="t", tools=[charge], model=ScriptedModel(script))
+    worker = await make_harness(agent, lease_ms=300)
+    web = await make_harness(agent, run_turns=False)  # (accepts; the worker runs what its jobs say)
+    sid = await web.sessions.create("anon")
+    first = await web.sessions.submit(sid, "anon", "pay")
+    paused = await web.sessions.wait_turn(first, 10)
+    assert paused.status == "waiting"
+    (request,) = env(paused.events[-1])["data"]["requests"]
+
+    # the next round's BEGIN (a message queued behind the paused turn: nothing to run) is slow to
+    # come back; meanwhile the answer's job is read
+    real_begin, in_begin, gate = worker.store.begin, asyncio.Event(), asyncio.Event()
+
+    async def begin(*args: Any) -> Any:
+        out = await real_begin(*args)
+        if not in_begin.is_set():
+            in_begin.set()
+            await gate.wait()
+        return out
+
+    worker.store.begin = begin
+    after = await web.sessions.submit(sid, "anon", "after")
+    async with asyncio.timeout(10):
+        await in_begin.wait()
+    await web.sessions.respond(sid, "anon", request["request_id"], "approve")
+    stream = worker.store.jobs.of(sid).stream
+    async with asyncio.timeout(10):  # (the worker read the answer's job: no event says so)
+        while (await redis.xpending(stream, JOBS_GROUP))["pending"] < 2:  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+
+    # the round that resumes the answered turn fails at its first commit, storage gone
+    real_commit, failed = worker.store.commit, []
+
+    async def commit(sid_: str, fence: str, turn_id: str, *args: Any, **kw: Any) -> Any:
+        if turn_id == first.turn_id and not failed:
+            failed.append(turn_id)
+            raise Unavailable("storage is unavailable (a failover, say)")
+        return await real_commit(sid_, fence, turn_id, *args, **kw)
+
+    worker.store.commit = commit
+    gate.set()
+    done = await web.sessions.wait_turn(after, 15)  # (it runs once the answered turn ended)
+    assert failed and done.status == "completed" and done.reply == "re:after"
+    history = await web.sessions.history(sid, "anon")
+    assert [(i.role, i.text) for i in history] == [
+        ("user", "pay"),
+        ("assistant", ""),
+        ("tool", "charged 5"),  # (once: the failed round committed nothing)
+        ("assistant", "re:charged 5"),
+        ("user", "after"),
+        ("assistant", "re:after"),
+    ]
