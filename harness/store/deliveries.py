@@ -21,6 +21,7 @@ from harness.store.clusterwire import AnyWire
 from harness.store.keys import RELAY_GROUP, RELAY_JOBS, RELAY_LATER, DeliveryKeys, RelayKeys, dead_letters
 from harness.store.protocol import Script
 from harness.store.queue import JobQueue
+from harness.store.wire import raised
 from harness.types import DeadLetter
 
 
@@ -152,8 +153,20 @@ class Deliveries:
     async def bury(self, sid: str, event_id: str, destination: str, error: str, attempts: int) -> DeadLetter:
         """Record an event that could not be delivered (idempotent per session and event)."""
         letter = DeadLetter(sid, event_id, destination, error[:500], attempts, round(time.time(), 3))
-        await self.redis.hset(dead_letters(destination), f"{sid} {event_id}", msgspec.json.encode(letter))
+        await self._write([("HSET", dead_letters(destination), f"{sid} {event_id}", msgspec.json.encode(letter))])
         return letter
+
+    async def _write(self, commands: list[tuple[Any, ...]]) -> None:
+        """Dead letters' writes. By the wire, they wait for its replicas, if any: the relay moves
+        its cursor past a buried event next (on the session's node, maybe another), and a
+        letter a failover took back would leave the event neither delivered nor listed."""
+        if self.wire is not None:
+            raised(await self.wire.call(commands, durable=True))
+            return
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for command in commands:
+                pipe.execute_command(*command)
+            await pipe.execute()
 
     @translated
     async def dead(self, destination: str, *, session: str | None = None, event: str | None = None) -> list[DeadLetter]:
@@ -173,9 +186,8 @@ class Deliveries:
         letters = await self.dead(destination, session=session, event=event)
         if not letters:
             return 0
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for d in letters:
-                pipe.hdel(dead_letters(destination), f"{d.session_id} {d.event_id}")
-                pipe.execute_command(*relay_job(d.session_id, destination, d.event_id))
-            await pipe.execute()
+        # the jobs first: a letter goes only once its job is there (stopped between the two, a
+        # letter is listed still and its event delivered once all the same: reconciled first)
+        await self._write([relay_job(d.session_id, destination, d.event_id) for d in letters])
+        await self._write([("HDEL", dead_letters(destination), *(f"{d.session_id} {d.event_id}" for d in letters))])
         return len(letters)

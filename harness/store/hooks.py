@@ -2,7 +2,9 @@
 
 Outbound event webhook subscriptions: per API key (owner), a URL, the event types it wants, and
 the secret its deliveries are signed with. All in the `{hooks}` slot: `subs` (id -> the
-subscription) and, per owner, the set of its ids, changed together (MULTI).
+subscription) and, per owner, the set of its ids, changed together (one script). With replicas
+(`KEEL_DURABILITY=replica`) a change is acknowledged once a replica has it: a subscription
+answered 201 and then lost in a failover would never deliver.
 
 Which relay destinations an owner's sessions deliver to (`targets`) is read from them and cached
 for a second per owner in this process (a subscription made in another process delivers from a
@@ -17,13 +19,18 @@ from typing import Any
 import msgspec
 
 from harness.store.client import Client, translated
+from harness.store.clusterwire import AnyWire
 from harness.store.keys import PREFIX
+from harness.store.wire import raised
 from harness.types import Subscription
 
 SUBS = f"{PREFIX}:{{hooks}}:subs"
 TARGETS_TTL_S = 1.0
 TARGETS_MOST = 10_000  # owners whose targets are cached at once (then the cache starts again)
 _decode = msgspec.json.Decoder(Subscription).decode
+# (KEYS: subs, the owner's set; ARGV: the id, and the subscription to add)
+_ADD = "redis.call('HSET', KEYS[1], ARGV[1], ARGV[2]) redis.call('SADD', KEYS[2], ARGV[1]) return 1"
+_REMOVE = "redis.call('HDEL', KEYS[1], ARGV[1]) redis.call('SREM', KEYS[2], ARGV[1]) return 1"
 
 
 def _owned(owner: str) -> str:
@@ -37,19 +44,23 @@ def new_subscription(
 
 
 class Subscriptions:
-    def __init__(self, redis: Client) -> None:
+    def __init__(self, redis: Client, wire: AnyWire | None = None) -> None:
         self.redis = redis
+        self.wire = wire  # (if given, changes go this way and wait for its replicas, if any)
         self._targets: dict[str, tuple[float, list[str]]] = {}  # owner -> (until, destinations)
         self._version: dict[str, int] = {}  # bumped when this process changes an owner's hooks
         self._reading: dict[str, asyncio.Future[list[str]]] = {}  # owner -> its targets being read
 
     @translated
     async def add(self, sub: Subscription) -> None:
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hset(SUBS, sub.id, msgspec.json.encode(sub))
-            pipe.sadd(_owned(sub.owner), sub.id)
-            await pipe.execute()
+        await self._write(("EVAL", _ADD, 2, SUBS, _owned(sub.owner), sub.id, msgspec.json.encode(sub)))
         self._changed(sub.owner)
+
+    async def _write(self, command: tuple[Any, ...]) -> None:
+        if self.wire is not None:
+            raised(await self.wire.call([command], durable=True))
+        else:
+            await self.redis.execute_command(*command)
 
     @translated
     async def count(self, owner: str) -> int:
@@ -74,10 +85,7 @@ class Subscriptions:
         sub = await self.get(sub_id)
         if sub is None or sub.owner != owner:
             return False
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hdel(SUBS, sub_id)
-            pipe.srem(_owned(owner), sub_id)
-            await pipe.execute()
+        await self._write(("EVAL", _REMOVE, 2, SUBS, _owned(owner), sub_id))
         self._changed(owner)
         return True
 
@@ -85,7 +93,7 @@ class Subscriptions:
     async def disable(self, sub_id: str, why: str) -> None:
         sub = await self.get(sub_id)
         if sub is not None and not sub.disabled:
-            await self.redis.hset(SUBS, sub_id, msgspec.json.encode(msgspec.structs.replace(sub, disabled=why)))
+            await self._write(("HSET", SUBS, sub_id, msgspec.json.encode(msgspec.structs.replace(sub, disabled=why))))
             self._changed(sub.owner)
 
     # ---- where an owner's sessions deliver to ------------------------------------------------

@@ -138,7 +138,7 @@ class Store:
         self.jobs = JobShards(redis, job_shards, wire=self.wire)
         self.hub = EventHub(redis, self.wire, self.origin)
         self.outbox = Outbox(redis, self.wire, self.hub)
-        self.hooks = Subscriptions(redis)
+        self.hooks = Subscriptions(redis, self.wire)
         self.deliveries = Deliveries(redis, self.wire)
         self.buckets = quotas.RateBuckets(self.wire)
         self.catalog = catalog.Catalog(self.wire, ttl_ms)
@@ -690,9 +690,11 @@ class Store:
 
     @translated
     async def shared_secret(self) -> bytes:
-        """A random secret made by the first process that asks and read by all the others."""
-        await self.redis.set(TOKEN_SECRET, os.urandom(32).hex(), nx=True)
-        secret: Any = await self.redis.get(TOKEN_SECRET)
+        """A random secret made by the first process that asks and read by all the others (with
+        replicas, once a replica has it: a secret a failover took back would be made again, and
+        processes would refuse each other's tokens)."""
+        made = ("SET", TOKEN_SECRET, os.urandom(32).hex(), "NX")
+        _, secret = raised(await self.wire.call([made, ("GET", TOKEN_SECRET)], durable=True))
         return bytes(secret)
 
     @translated

@@ -14,8 +14,9 @@ from redis.asyncio import Redis
 
 from harness.errors import Unavailable
 from harness.events import MessageReceived, SessionCreated
-from harness.store import Store
-from harness.store.keys import SessionKeys
+from harness.store import Store, new_subscription
+from harness.store.hooks import SUBS
+from harness.store.keys import RELAY_JOBS, SessionKeys, dead_letters
 from harness.store.wire import NotReplicated
 from harness.types import InboxMessage
 from tests.conftest import ON_CLUSTER, ValkeyServer
@@ -206,5 +207,35 @@ async def test_a_job_is_acknowledged_only_once_a_replica_has_it(pair: Pair, link
         job = await store.add_job("ses_r4")
         # acknowledged: the replica has it already (a failover now keeps it)
         assert await replica.xrange(store.jobs.of("ses_r4").stream, str(job), str(job)) != []
+    finally:
+        await store.close()
+
+
+async def test_a_subscription_and_a_dead_letter_wait_for_a_replica(pair: Pair, linked: tuple[Redis, Redis]) -> None:
+    """A webhook subscription answered 201 and then lost in a failover would never deliver; a
+    dead letter lost so, its event's cursor moved past it, would be neither delivered nor
+    listed. Both are acknowledged only once a replica has them."""
+    primary, replica = linked
+    store = Store(primary, replicas=1, replica_wait_ms=WAIT_MS)
+    await store.start()
+    sub = new_subscription("wh_r5", "o", url="https://example.com/h", events=["*"], secret="s", description="")
+    try:
+        pair.stop_replica()
+        with pytest.raises(Unavailable):
+            await store.hooks.add(sub)
+        with pytest.raises(Unavailable):
+            await store.deliveries.bury("ses_r5", "1-0", "wh:wh_r5", "refused", 3)
+
+        pair.resume_replica()
+        await caught_up(primary, replica)
+        await store.hooks.add(sub)
+        await store.deliveries.bury("ses_r5", "1-0", "wh:wh_r5", "refused", 3)
+        # acknowledged: the replica has them already
+        assert await replica.hget(SUBS, "wh_r5") is not None
+        assert await replica.hget(dead_letters("wh:wh_r5"), "ses_r5 1-0") is not None
+        assert await store.deliveries.retry("wh:wh_r5") == 1
+        assert await replica.hlen(dead_letters("wh:wh_r5")) == 0 and await replica.xlen(RELAY_JOBS) == 1
+        assert await store.hooks.remove("o", "wh_r5")
+        assert await replica.hget(SUBS, "wh_r5") is None
     finally:
         await store.close()
