@@ -130,3 +130,41 @@ async def test_a_wait_for_a_turn_handed_over_hears_the_other_runner_at_once(make
     async with asyncio.timeout(3):
         turn = await waiting
     assert turn.status == "completed" and turn.reply == "re: hello"
+
+
+async def test_a_drain_handed_over_in_a_later_round_hands_its_session_over(make_harness: Any, redis: Redis) -> None:
+    """A drain goes round again for a job read while a round ran. Handed over in that later
+    round, it gives the session to another runner as any drain does: it once acknowledged its
+    jobs instead (its first round had finished) and queued none for the turn it stopped, which
+    then waited for good."""
+    model = Blocking(lambda r: ModelReply(text="re: " + r.messages[-1].text))
+    agent = Agent(instructions="t", model=ScriptedModel(model))
+    one = await make_harness(agent, lease_ms=LEASE_MS)
+    web = await make_harness(agent, run_turns=False)
+    sid = await web.sessions.create("anon")
+    real_begin, in_begin, gate = one.store.begin, asyncio.Event(), asyncio.Event()
+
+    async def begin(*args: Any) -> Any:  # (the first round's BEGIN is slow to come back)
+        out = await real_begin(*args)
+        if not in_begin.is_set():
+            in_begin.set()
+            await gate.wait()
+        return out
+
+    one.store.begin = begin  # type: ignore[method-assign]
+    await web.store.add_job(sid)  # a round with nothing to run
+    async with asyncio.timeout(10):
+        await in_begin.wait()
+    sent = await web.sessions.submit(sid, "anon", "hello")  # its job read while that round waits
+    async with asyncio.timeout(10):
+        while (await waiting_jobs(redis))[1] < 2:  # noqa: ASYNC110 (read: no event says so)
+            await asyncio.sleep(0.01)
+    gate.set()
+    async with asyncio.timeout(10):
+        await model.entered.wait()  # the second round's turn, at its model call
+    model.block = False
+
+    assert await one.hand_over(5) == 1
+    two = await make_harness(agent, lease_ms=LEASE_MS)
+    turn = await two.sessions.wait_turn(sent, 5)  # well before the lease's 20 s
+    assert turn.status == "completed" and turn.reply == "re: hello"
