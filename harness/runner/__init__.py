@@ -4,8 +4,9 @@ Work reaches a runner two ways. A process that accepts a message and runs turns 
 the session at once (`kick`). Every message also puts a job on the Redis stream, so that work
 survives the process: any runner reading the stream (or reclaiming a dead runner's jobs) drains
 the session's inbox. A job is acknowledged once a drain that began after the job was added has
-finished: that drain saw the job's message, so the job needs no drain of its own. Each session
-the runner has in hand is one `InHand` state (`state`).
+finished: that drain saw the job's message, so the job needs no drain of its own. A drain that
+fails (storage gone mid-turn) acknowledges none of the jobs it read: they are reclaimed. Each
+session the runner has in hand is one `InHand` state (`state`).
 
 When the process drains (`hand_over`), its sessions go to other runners at once: each running
 turn stops at its model call without committing it, its lease is released, and a new job for
