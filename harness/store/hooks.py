@@ -44,9 +44,9 @@ def new_subscription(
 
 
 class Subscriptions:
-    def __init__(self, redis: Client, wire: AnyWire | None = None) -> None:
+    def __init__(self, redis: Client, wire: AnyWire) -> None:
         self.redis = redis
-        self.wire = wire  # (if given, changes go this way and wait for its replicas, if any)
+        self.wire = wire  # (changes go this way, and wait for its replicas, if any)
         self._targets: dict[str, tuple[float, list[str]]] = {}  # owner -> (until, destinations)
         self._version: dict[str, int] = {}  # bumped when this process changes an owner's hooks
         self._reading: dict[str, asyncio.Future[list[str]]] = {}  # owner -> its targets being read
@@ -57,10 +57,7 @@ class Subscriptions:
         self._changed(sub.owner)
 
     async def _write(self, command: tuple[Any, ...]) -> None:
-        if self.wire is not None:
-            raised(await self.wire.call([command], durable=True))
-        else:
-            await self.redis.execute_command(*command)
+        raised(await self.wire.call([command], durable=True))
 
     @translated
     async def count(self, owner: str) -> int:

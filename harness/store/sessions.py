@@ -599,10 +599,7 @@ class Store:
     @translated
     async def add_relay_jobs(self, sid: str, destinations: Sequence[str]) -> None:
         """Relay jobs for the session and these destinations, in one round trip."""
-        replies = await self.wire.call([relay_job(sid, d) for d in destinations], durable=True)
-        for reply in replies:
-            if isinstance(reply, Exception):
-                raise reply
+        raised(await self.wire.call([relay_job(sid, d) for d in destinations], durable=True))
 
     def _remember(self, sid: str, owner: str) -> None:
         """A session seen to exist stays known (a bounded memo: it only spares a look; the

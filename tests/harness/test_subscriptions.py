@@ -5,21 +5,29 @@ at once after the second passed made a hundred reads); a change made here is see
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 from redis.asyncio import Redis
 
 from harness.store import new_subscription
+from harness.store.clusterwire import wire_for
 from harness.store.hooks import Subscriptions
+
+
+@pytest.fixture
+async def hooks(redis: Redis) -> AsyncIterator[Subscriptions]:
+    wire = wire_for(redis)
+    yield Subscriptions(redis, wire)
+    await wire.close()
 
 
 def sub(sub_id: str) -> Any:
     return new_subscription(sub_id, "o", url="https://example.com/h", events=["*"], secret="s", description="")
 
 
-async def test_callers_at_once_share_one_read(redis: Redis, monkeypatch: pytest.MonkeyPatch) -> None:
-    hooks = Subscriptions(redis)
+async def test_callers_at_once_share_one_read(hooks: Subscriptions, monkeypatch: pytest.MonkeyPatch) -> None:
     await hooks.add(sub("wh_1"))
     reads = 0
     of = hooks.of
@@ -34,8 +42,7 @@ async def test_callers_at_once_share_one_read(redis: Redis, monkeypatch: pytest.
     assert got == [["wh:wh_1"]] * 100 and reads == 1
 
 
-async def test_a_change_made_during_a_read_is_read_again(redis: Redis, monkeypatch: pytest.MonkeyPatch) -> None:
-    hooks = Subscriptions(redis)
+async def test_a_change_made_during_a_read_is_read_again(hooks: Subscriptions, monkeypatch: pytest.MonkeyPatch) -> None:
     await hooks.add(sub("wh_1"))
     reading, release = asyncio.Event(), asyncio.Event()
     of = hooks.of
