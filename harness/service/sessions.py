@@ -524,8 +524,10 @@ class Sessions:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         hub = self.store.hub
-        # (deferred: a turn this process begins comes published here, no notice from Redis needed)
-        async with hub.watch(sid, settled_only=True, deferred=True) as watch:
+        # (deferred: a turn this process begins comes published here, no notice from Redis needed;
+        # opened and closed by hand: an async context manager's generator cost more than the rest)
+        watch = hub.open_watch(sid, settled_only=True, deferred=True)
+        try:
             result, here = await self._submit(sid, owner, text, context, message_id, policy=policy)
             if not here:  # (another runner's turn, or a later one: commits made elsewhere wake it)
                 hub.follow(sid, watch)
@@ -548,6 +550,8 @@ class Sessions:
                     timeout=max(deadline - loop.time(), 0.001),
                     read_first=True,
                 )
+        finally:
+            hub.close_watch(sid, watch)
         return _result(result, outcome)
 
     async def respond_and_wait(

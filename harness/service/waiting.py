@@ -20,12 +20,16 @@ async def collect_turn(
     that paused and then finished reports how it finished)."""
     events: list[StoredEvent] = []
     marker = b'"turn_id":"' + turn_id.encode() + b'"'
+    loop = asyncio.get_running_loop()
+    # The deadline bounds each wait and each read of Redis (not the events handed over here:
+    # a turn that settles in this process costs no timer but its watch's)
+    deadline = loop.time() + timeout
 
     async def collect() -> TurnOutcome:
         position, read = after, read_first
         while True:
             if read:
-                batch, more = await outbox.next(sid, watch, position)
+                batch, more = await outbox.next(sid, watch, position, deadline=deadline)
                 if batch:
                     position = batch[-1].id
                 events.extend(e for e in batch if marker in e.raw)
@@ -36,16 +40,23 @@ async def collect_turn(
                     completed = events[-1].of(TurnCompleted)
                     reply = completed.data.reply if completed is not None else None
                     return TurnOutcome(status=status, reply=reply, events=events)
+            left = deadline - loop.time()
+            if left <= 0:
+                raise TimeoutError
             outbox.hub.listen(sid, watch)  # (a deferred watch: it follows unless this process writes the turn)
-            woken = await watch.wait(min(timeout, 5.0))  # or a periodic look in case a wake-up was lost
-            if watch.ended is not None or (not woken and not await outbox.exists(sid)):
+            woken = await watch.wait(min(left, 5.0))  # or a periodic look in case a wake-up was lost
+            if watch.ended is not None:
                 raise NotFound(f"session {sid} was deleted", code="session_not_found")
+            if not woken and loop.time() >= deadline:
+                raise TimeoutError
             if not woken:
-                await outbox.settle(sid)  # (with replicas: a mark a failover lost)
+                async with asyncio.timeout_at(deadline):
+                    if not await outbox.exists(sid):
+                        raise NotFound(f"session {sid} was deleted", code="session_not_found")
+                    await outbox.settle(sid)  # (with replicas: a mark a failover lost)
             read = True
 
     try:
-        async with asyncio.timeout(timeout):
-            return await collect()
+        return await collect()
     except TimeoutError:
         return TurnOutcome(status="pending", reply=None, events=events)

@@ -145,18 +145,24 @@ class Outbox:
             with contextlib.suppress(NotReplicated):
                 await self.wire.settle([keys.meta, keys.outbox])
 
-    async def next(self, sid: str, watch: Watch, after: str) -> tuple[list[StoredEvent], bool]:
+    async def next(
+        self, sid: str, watch: Watch, after: str, *, deadline: float | None = None
+    ) -> tuple[list[StoredEvent], bool]:
         """The events after `after`: those this process handed the watch, if they continue it,
-        else a read of the stream. Second: a full read, so more may be waiting right now."""
-        batch, more, _ = await self._next(sid, watch, after)
+        else a read of the stream (TimeoutError past `deadline`, the loop's time, if given).
+        Second: a full read, so more may be waiting right now."""
+        batch, more, _ = await self._next(sid, watch, after, deadline)
         return batch, more
 
-    async def _next(self, sid: str, watch: Watch, after: str) -> tuple[list[StoredEvent], bool, bool]:
+    async def _next(
+        self, sid: str, watch: Watch, after: str, deadline: float | None = None
+    ) -> tuple[list[StoredEvent], bool, bool]:
         """`next`, and whether its read found events no replica is known to have yet."""
         batch, held = watch.take(), False
         from_stream = batch is None
         if batch is None:
-            batch, held = await self._read(sid, after, BATCH)
+            async with asyncio.timeout_at(deadline):
+                batch, held = await self._read(sid, after, BATCH)
         watch.advance(batch)
         return batch, from_stream and len(batch) == BATCH, held
 

@@ -6,8 +6,12 @@ import asyncio
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from redis.asyncio import Redis
+from starlette.requests import Request
 
+from channels.http import query
 from harness import Agent, tool
 from harness.models import ModelReply, ModelRequest, ScriptedModel, ToolCall
 
@@ -209,3 +213,23 @@ async def test_history_comes_in_pages(serve: Any) -> None:
         for bad in ({"limit": 0}, {"limit": 1001}, {"offset": -1}, {"limit": "x"}):
             r = await c.get(f"/v1/sessions/{sid}/history", params=bad)
             assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_query"
+
+
+_NAMES = st.sampled_from([b"wait", b"timeout", b"limit", b"w%61it", b"", b"wait;x"])
+_VALUES = st.sampled_from([b"true", b"1", b"", b"%74rue", b"a+b", b"\xe9", b"x=y", b"30"])
+_PARTS = st.tuples(_NAMES, st.sampled_from([b"=", b""]), _VALUES).map(b"".join)
+_QUERIES = st.lists(st.tuples(_PARTS, st.sampled_from([b"&", b"&&", b";"]))).map(
+    lambda ps: b"".join(a + b for a, b in ps)
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    raw=_QUERIES,
+    name=st.sampled_from(["wait", "timeout", "limit"]),
+)
+def test_a_query_parameter_reads_as_starlette_parses_it(raw: bytes, name: str) -> None:
+    """`query`'s own split of a plain query string gives what Starlette's full parse gives: the
+    last value, a bare name as "", escapes and `+` decoded."""
+    request = Request({"type": "http", "query_string": raw, "headers": []})
+    assert query(request, name) == request.query_params.get(name)

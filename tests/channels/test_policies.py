@@ -278,3 +278,22 @@ async def test_the_websocket_frame_takes_a_policy(keel: Any) -> None:
         await ws.send(json.dumps({"type": "message", "text": "x", "policy": "maybe", "ref": "r1"}))
         error = await frames_until(ws, "error")
         assert error[-1]["error"]["code"] == "invalid_frame"
+
+
+async def test_a_wait_past_its_timeout_answers_pending_with_the_turn_so_far(keel: Any) -> None:
+    """`?wait=true&timeout=` ends at its timeout with `pending` (and any of the turn's events
+    it read); the same message sent again (its id) waits on for the same turn, which then
+    answers."""
+    c, gated, _ = keel
+    sid = await session(c)
+    url = f"/v1/sessions/{sid}/messages?wait=true"
+    r = await c.post(url + "&timeout=0.3", json={"text": "think", "message_id": "m-think"})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["status"] == "pending" and body["reply"] is None
+    assert gated.think_began.is_set()
+    gated.think_go.set()
+    again = (await c.post(url, json={"text": "think", "message_id": "m-think"})).json()
+    assert again["status"] == "completed" and again["reply"] == "re:think"
+    assert [e["type"] for e in again["events"]][-2:] == ["message.completed", "turn.completed"]
+    assert body["events"] == again["events"][: len(body["events"])]  # (the same turn, from its message on)
