@@ -145,10 +145,10 @@ def create_app(
     metrics = Metrics(Sources(lambda: getattr(app.state, "harness", None), ws=ws_stats, sse=sse_stats))
     app = Starlette(
         routes=[
-            metrics.route(),
             *routes(
                 demo_folder=Path(__file__).parent / "static" if settings.demo_page else None, webhooks=hooks, mcp=mcp
             ),
+            metrics.route(),  # (last: every request matched before it is spared a miss)
         ],
         middleware=[
             *([Middleware(TraceRequests)] if tracing.enabled() else []),  # (tracing on: the request's span)

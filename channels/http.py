@@ -187,13 +187,13 @@ async def send_message(request: Request) -> Response:
         if not timeout > 0:
             raise ChannelError(400, "invalid_query", "?timeout= must be positive")
     body = decode(send_message_decoder, await read_body(request))
-    harness = harness_of(request)
-    await harness.sessions.admissible(sid, owner_of(request), body.message_id)  # (bad input spends no token)
-    await harness.quotas.admit(owner_of(request))
+    harness, owner = harness_of(request), owner_of(request)
+    await harness.sessions.admissible(sid, owner, body.message_id)  # (bad input spends no token)
+    await harness.quotas.admit(owner)
     if wait:
         turn = await harness.sessions.submit_and_wait(
             sid,
-            owner_of(request),
+            owner,
             body.text,
             context=body.context,
             message_id=body.message_id,
@@ -201,9 +201,7 @@ async def send_message(request: Request) -> Response:
             policy=body.policy,
         )
         return json_response(settled(turn), 200)
-    result = await harness.sessions.submit(
-        sid, owner_of(request), body.text, body.context, body.message_id, policy=body.policy
-    )
+    result = await harness.sessions.submit(sid, owner, body.text, body.context, body.message_id, policy=body.policy)
     return json_response(MessageAccepted(sid, result.message_id, result.handled), 202)
 
 

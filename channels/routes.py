@@ -30,7 +30,12 @@ def routes(
         for channel in webhooks
         for path, name in channel.routes()
     ]
+    # (Starlette tries the routes in this order, and a route passed over costs a regex match
+    # and its checks: a turn's own routes come first, then the webhook channels')
     return [
+        Route("/v1/sessions/{sid}/messages", http.send_message, methods=["POST"]),
+        Route("/v1/sessions/{sid}/responses", http.respond, methods=["POST"]),
+        Route("/v1/sessions/{sid}/events", stream_events, methods=["GET"]),
         *hooks,
         Route("/healthz", http.healthz, methods=["GET"]),
         Route("/readyz", http.readyz, methods=["GET"]),
@@ -40,14 +45,11 @@ def routes(
         Route("/v1/sessions/{sid}", http.get_session, methods=["GET"]),
         Route("/v1/sessions/{sid}", http.update_session, methods=["PATCH"]),
         Route("/v1/sessions/{sid}", http.delete_session, methods=["DELETE"]),
-        Route("/v1/sessions/{sid}/messages", http.send_message, methods=["POST"]),
         Route("/v1/sessions/{sid}/fork", http.fork_session, methods=["POST"]),
         Route("/v1/sessions/{sid}/history", http.get_history, methods=["GET"]),
-        Route("/v1/sessions/{sid}/responses", http.respond, methods=["POST"]),
         Route("/v1/sessions/{sid}/cancel", http.cancel, methods=["POST"]),
         Route("/v1/sessions/{sid}/compact", http.compact, methods=["POST"]),
         Route("/v1/sessions/{sid}/clear", http.clear, methods=["POST"]),
-        Route("/v1/sessions/{sid}/events", stream_events, methods=["GET"]),
         Route("/v1/sessions/{sid}/tokens", http.mint_token, methods=["POST"]),
         Route("/v1/chat", aisdk.chat, methods=["POST"]),
         Route("/v1/chat/{sid}/stream", aisdk.chat_stream, methods=["GET"]),
