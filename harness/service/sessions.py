@@ -525,7 +525,7 @@ class Sessions:
         deadline = loop.time() + timeout
         hub = self.store.hub
         # (deferred: a turn this process begins comes published here, no notice from Redis needed;
-        # opened and closed by hand: an async context manager's generator cost more than the rest)
+        # opened and closed by hand, not by `hub.watch`: its async generator cost a few us a turn)
         watch = hub.open_watch(sid, settled_only=True, deferred=True)
         try:
             result, here = await self._submit(sid, owner, text, context, message_id, policy=policy)
