@@ -25,8 +25,8 @@ async def collect_turn(
     # a turn that settles in this process costs no timer but its watch's)
     deadline = loop.time() + timeout
 
-    async def collect() -> TurnOutcome:
-        position, read = after, read_first
+    position, read = after, read_first
+    try:
         while True:
             if read:
                 batch, more = await outbox.next(sid, watch, position, deadline=deadline)
@@ -42,21 +42,19 @@ async def collect_turn(
                     return TurnOutcome(status=status, reply=reply, events=events)
             left = deadline - loop.time()
             if left <= 0:
-                raise TimeoutError
+                break
             outbox.hub.listen(sid, watch)  # (a deferred watch: it follows unless this process writes the turn)
             woken = await watch.wait(min(left, 5.0))  # or a periodic look in case a wake-up was lost
             if watch.ended is not None:
                 raise NotFound(f"session {sid} was deleted", code="session_not_found")
-            if not woken and loop.time() >= deadline:
-                raise TimeoutError
             if not woken:
+                if loop.time() >= deadline:
+                    break
                 async with asyncio.timeout_at(deadline):
                     if not await outbox.exists(sid):
                         raise NotFound(f"session {sid} was deleted", code="session_not_found")
                     await outbox.settle(sid)  # (with replicas: a mark a failover lost)
             read = True
-
-    try:
-        return await collect()
-    except TimeoutError:
-        return TurnOutcome(status="pending", reply=None, events=events)
+    except TimeoutError:  # (a read of Redis past the deadline)
+        pass
+    return TurnOutcome(status="pending", reply=None, events=events)

@@ -160,11 +160,12 @@ class Outbox:
         """`next`, and whether its read found events no replica is known to have yet."""
         batch, held = watch.take(), False
         from_stream = batch is None
-        if batch is None and deadline is None:
-            batch, held = await self._read(sid, after, BATCH)
-        elif batch is None:
-            async with asyncio.timeout_at(deadline):
+        if batch is None:
+            if deadline is None:
                 batch, held = await self._read(sid, after, BATCH)
+            else:
+                async with asyncio.timeout_at(deadline):
+                    batch, held = await self._read(sid, after, BATCH)
         watch.advance(batch)
         return batch, from_stream and len(batch) == BATCH, held
 
