@@ -33,13 +33,15 @@ class Delivery:
 @dataclass
 class Behaviour:
     secret: str
-    fail_every: int = 0  # every n-th request gets a 500 (2: half of them)
+    fail_every: int = 0  # every n-th request gets a 500 (1: all of them)
+    fail_once_every: int = 0  # every n-th new webhook-id's first request gets a 500 (2: half the ids)
     slow_first: int = 0  # the first n requests take `slow_s` seconds
     slow_s: float = 30.0
     gone: bool = False  # answer 410
     busy_first: int = 0  # the first n requests get a 503 with Retry-After: `busy_after`
     busy_after: str = "6"
     requests: int = 0
+    ids: set[str] = field(default_factory=set)  # the webhook-ids seen so far
 
 
 @dataclass
@@ -114,6 +116,10 @@ class Receiver:
                 return Response(status_code=404)
             behaviour.requests += 1
             n = behaviour.requests
+            webhook_id = request.headers.get("webhook-id", "")
+            new = webhook_id not in behaviour.ids
+            behaviour.ids.add(webhook_id)
+            fail_once = new and behaviour.fail_once_every > 0 and len(behaviour.ids) % behaviour.fail_once_every == 0
         try:
             Webhook(behaviour.secret).verify(body, dict(request.headers))
         except Exception:
@@ -123,7 +129,8 @@ class Receiver:
             return Response(status_code=400)
         if n <= behaviour.slow_first:
             await asyncio.sleep(behaviour.slow_s)
-        status = 410 if behaviour.gone else 500 if behaviour.fail_every and n % behaviour.fail_every == 0 else 200
+        failing = (behaviour.fail_every and n % behaviour.fail_every == 0) or fail_once
+        status = 410 if behaviour.gone else 500 if failing else 200
         headers = {}
         if n <= behaviour.busy_first:
             status, headers = 503, {"Retry-After": behaviour.busy_after}
