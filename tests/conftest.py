@@ -40,7 +40,8 @@ def _frozen_heap() -> None:
     """Before each module, the garbage collected and what survives frozen (`gc.freeze`): the
     collector then scans only what later modules make. Without it, by the end of the suite a
     full collection scans ~600,000 objects and stops the tests' event loop for 300-500 ms (ten
-    such pauses in one run), long enough to expire a test's 400 ms session TTL mid-test."""
+    such pauses in one run): long enough to expire a short session TTL or stretch a bounded
+    wait mid-test."""
     gc.collect()
     gc.freeze()
 
