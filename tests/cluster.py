@@ -106,7 +106,7 @@ class ValkeyCluster:
         for n, port in enumerate(self.primaries):
             low, high = n * per, SLOTS - 1 if n == len(self.primaries) - 1 else (n + 1) * per - 1
             _command(port, "CLUSTER", "ADDSLOTSRANGE", str(low), str(high))
-        _wait(lambda: all(self._known(p) == len(self.ports) for p in self.ports), 20, "meet")
+        _wait(lambda: all(self._met(p) for p in self.ports), 20, "meet")
         ids = {port: _command(port, "CLUSTER", "MYID").split(b"\r\n")[1].decode() for port in self.primaries}
         for n, port in enumerate(self.replicas):
             _command(port, "CLUSTER", "REPLICATE", ids[self.primaries[n % len(self.primaries)]])
@@ -161,6 +161,11 @@ class ValkeyCluster:
             return f"process_id:{proc.pid}\r\n".encode() in _command(port, "INFO", "server", timeout=0.5)
         except (OSError, RuntimeError):  # (not listening yet; an error reply: loading)
             return False
+
+    def _met(self, port: int) -> bool:
+        """Whether the node knows every node by its own id (one still in handshake is counted
+        under a made-up name: REPLICATE of its real id would be refused as an unknown node)."""
+        return self._known(port) == len(self.ports) and b"handshake" not in self._nodes(port)
 
     def _known(self, port: int) -> int:
         info = _command(port, "CLUSTER", "INFO").decode()
