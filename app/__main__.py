@@ -13,7 +13,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import uvicorn
 
-from app import create_app, load_agent
+from app import create_app, heap, load_agent
 from app import traces as app_tracing
 from app.embedded import EmbeddedError, EmbeddedValkey
 from app.lifecycle import KeelServer
@@ -130,6 +130,7 @@ def main() -> int:
             "%s", start_line(settings, url, embedded, agent.with_model(settings.model) if settings.model else agent)
         )
         config = uvicorn.Config(app, host=settings.host, port=settings.port, **uvicorn_options(settings))
+        heap.settle(settings.gc_threshold)  # (all imported and built: what is left to collect is the turns')
         KeelServer(config, app, settings.drain_s).run(sockets=[sock])
     finally:
         app_tracing.stop()

@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from app.heap import THRESHOLD as GC_THRESHOLD
 from harness import McpConfigError, McpServer, RateLimit, load_mcp_config
 from harness.models.spec import check as check_model
 
@@ -145,6 +146,7 @@ class Settings:
     # ms here (tests use a few)
     session_ttl_ms: int = SESSION_TTL_DAYS * DAY_MS
     mcp_servers: tuple[McpServer, ...] = ()  # KEEL_MCP_CONFIG's, added to the agent's tools
+    gc_threshold: int = GC_THRESHOLD  # young objects that set off a collection (0: Python's own settings)
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> Settings:
@@ -199,6 +201,7 @@ class Settings:
             durability=(env.get("KEEL_DURABILITY") or "primary").lower(),
             session_ttl_ms=_int(env, "KEEL_SESSION_TTL_DAYS", SESSION_TTL_DAYS, low=0) * DAY_MS,
             mcp_servers=_mcp(env),
+            gc_threshold=_int(env, "KEEL_GC_THRESHOLD", GC_THRESHOLD, low=0),
         )
         if settings.durability not in ("primary", "replica"):
             raise SettingsError(f"KEEL_DURABILITY must be primary or replica, not {settings.durability!r}")

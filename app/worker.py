@@ -8,7 +8,7 @@ import os
 import signal
 import sys
 
-from app import build_harness
+from app import build_harness, heap
 from app import traces as app_tracing
 from app.__main__ import prepare
 from app.logs import configure as configure_logs
@@ -51,6 +51,7 @@ def main() -> int:
     except (SettingsError, ImportError) as exc:
         print(f"keel worker: {exc}", file=sys.stderr)
         return 1
+    heap.settle(settings.gc_threshold)
     try:
         asyncio.run(run(settings, url))
     finally:

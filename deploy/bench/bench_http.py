@@ -5,9 +5,10 @@
 One run starts a private Valkey (AOF, appendfsync everysec) on a free loopback port, keel
 (`python -m app` with the zero-latency agent in `deploy.bench.agents`) and a bare baseline (a
 Starlette app served the same way, doing per turn what `/work/shared/bench/peers/bench_bare.py`
-does: LRANGE the last 20 items, then one Lua script that RPUSHes two items and XADDs an event).
-Both are driven by the same small keep-alive HTTP/1.1 client on asyncio streams, one connection
-per session:
+does: LRANGE the last 20 items, then one Lua script that RPUSHes two items and XADDs an event;
+its garbage collector set as keel sets its own, `app/heap.py`, --bare-gc-threshold). Both are
+driven by the same small keep-alive HTTP/1.1 client on asyncio streams, one connection per
+session:
 
 - sequential: one session, 20 warm-up turns then --turns timed turns; p50/p99 latency;
 - concurrent: --sessions sessions doing 20 turns each at once, --rounds rounds with fresh
@@ -62,6 +63,8 @@ from support import (  # the sibling module: this file runs as a script
     stop_process,
     wait_ready,
 )
+
+from app import heap  # (keel's collector settings, for the bare endpoint when asked)
 
 AGENT = "deploy.bench.agents:agent"
 SEQ_WARMUP = 20
@@ -380,7 +383,8 @@ def bare_app(redis_port: int) -> Starlette:
     return Starlette(routes=routes, lifespan=lifespan)
 
 
-def serve_bare(port: int, redis_port: int) -> None:
+def serve_bare(port: int, redis_port: int, gc_threshold: int) -> None:
+    heap.settle(gc_threshold)  # (as keel's process settles its own: 0, Python's own settings)
     uvicorn.run(bare_app(redis_port), host=HOST, port=port, log_level="warning")
 
 
@@ -397,6 +401,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--tracing",
         action="store_true",
         help="also keel with tracing on (OTLP/HTTP to a receiver in this process, its own Valkey): 'traced'",
+    )
+    ap.add_argument(
+        "--bare-gc-threshold",
+        type=int,
+        default=heap.THRESHOLD,
+        help="the bare endpoint's collector set as keel sets its own (app/heap.py) at this threshold "
+        f"(default {heap.THRESHOLD}, keel's default; 0: Python's own settings)",
     )
     ap.add_argument("--serve-bare", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
@@ -447,7 +458,8 @@ def run(args: argparse.Namespace) -> int:
         keel_env |= {"KEEL_LOG_LEVEL": "warning", "KEEL_AGENT": AGENT}
         keel.start([sys.executable, "-m", "app"], server_env(keel_env))
         bare_argv = [sys.executable, str(Path(__file__).resolve()), "--serve-bare"]
-        bare.start([*bare_argv, "--port", str(bare.port), "--redis-port", str(valkey_port)], server_env({}))
+        bare_argv += ["--port", str(bare.port), "--redis-port", str(valkey_port)]
+        bare.start([*bare_argv, "--bare-gc-threshold", str(args.bare_gc_threshold)], server_env({}))
         systems = [
             System(keel, keel_session, lambda sid: f"/v1/sessions/{sid}/messages?wait=true"),
             System(bare, bare_session, lambda sid: f"/turn/{sid}"),
@@ -486,7 +498,7 @@ def main() -> int:
         if args.port is None or args.redis_port is None:
             print("--serve-bare needs --port and --redis-port", file=sys.stderr)
             return 2
-        serve_bare(args.port, args.redis_port)
+        serve_bare(args.port, args.redis_port, args.bare_gc_threshold)
         return 0
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGHUP, on_signal)

@@ -10,7 +10,8 @@ committed in one round trip, and the waiter gets the committed events (as it wou
 from the outbox; it reads the stream when anything came from elsewhere). Two round trips on the
 turn's path; the job coming back off the stream and its batched acknowledgement are off it.
 Variants: plain; tool (one tool call per turn); long (a 1,000-turn session: compare the first
-and last 100 turns' p50).
+and last 100 turns' p50). `make bench` runs it, and the floor, through `settled.py` (the
+garbage collector set as keel's processes set theirs); run.py runs it with Python's settings.
 """
 
 from __future__ import annotations

@@ -4,9 +4,10 @@
 
 1. in-process: the floor (deploy/bench/floor/bench_bare.py) and keel (bench_keel.py) on the
    peers' workload (floor/common.py), each in a fresh process on a fresh Valkey, alternating,
-   --runs times: sequential p50 and turns/s at 50 sessions; keel/floor per run.
-2. HTTP: bench_http.py, --runs times (keel and the bare endpoint in each run): sequential p50
-   and turns/s at 100 sessions; keel/bare per run.
+   --runs times: sequential p50 and turns/s at 50 sessions; keel/floor per run. Both processes
+   have their garbage collector set as keel's own processes set theirs (settled.py).
+2. HTTP: bench_http.py, --runs times (keel and the bare endpoint in each run, the bare one with
+   keel's collector settings too): sequential p50 and turns/s at 100 sessions; keel/bare per run.
 3. cluster: deploy/loadtest/load.py with one web process that runs turns, on one Valkey and on
    a Valkey Cluster (3 primaries, 3 replicas), alternating, --runs times: the web process's CPU
    per turn; cluster/one server per pair.
@@ -86,7 +87,8 @@ def inprocess(runs: int, deadline: Deadline) -> dict[str, Any]:
             with tempfile.TemporaryDirectory(prefix="keel-bench-") as tmp:
                 valkey, port = start_valkey(Path(tmp), deadline)
                 try:
-                    argv = [str(script), "--port", str(port), "--datadir", tmp]
+                    # (both with the collector set as keel's processes set theirs: settled.py)
+                    argv = [str(HERE / "settled.py"), str(script), "--port", str(port), "--datadir", tmp]
                     row[name] = run(argv, f"{name} in-process (run {n + 1})", deadline, env)
                 finally:
                     stop_process(valkey)
