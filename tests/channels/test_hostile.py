@@ -104,6 +104,42 @@ async def test_a_client_that_sends_half_a_body_gets_a_400_not_a_traceback() -> N
     assert refused.value.status == 400 and refused.value.code == "incomplete_body"
 
 
+async def test_a_body_in_parts_is_read_whole_and_one_over_the_limit_is_refused_midway() -> None:
+    """The body reader joins a body sent in parts, and refuses one past the limit as soon as the
+    parts pass it (without waiting for the rest), whatever the client declared."""
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+
+    from channels.errors import ChannelError
+    from channels.http import read_body
+
+    app = Starlette()
+    app.state.max_body = 10
+
+    def request(parts: list[bytes], declared: int) -> tuple[Request, list[dict[str, Any]]]:
+        messages = [{"type": "http.request", "body": p, "more_body": n < len(parts) - 1} for n, p in enumerate(parts)]
+
+        async def receive() -> dict[str, Any]:
+            return messages.pop(0)
+
+        headers = [(b"content-length", str(declared).encode())]
+        return Request(
+            {"type": "http", "method": "POST", "path": "/", "headers": headers, "app": app}, receive
+        ), messages
+
+    whole, left = request([b'{"a":', b"", b"1}"], 7)
+    assert await read_body(whole) == b'{"a":1}' and left == []
+    over, left = request([b"12345", b"67890", b"1", b"never read"], 4)  # (a declared length that lies)
+    with pytest.raises(ChannelError) as refused:
+        await read_body(over)
+    assert refused.value.status == 413 and refused.value.code == "too_large"
+    assert [m["body"] for m in left] == [b"never read"]  # (refused at the part that passed the limit)
+    declared, _ = request([b"{}"], 11)
+    with pytest.raises(ChannelError) as refused:
+        await read_body(declared)
+    assert refused.value.status == 413
+
+
 async def test_queued_counts_the_messages_behind_a_paused_turn(serve: Any) -> None:
     live = await serve(echo_agent())
     async with live.client() as c:
