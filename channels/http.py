@@ -99,7 +99,7 @@ async def read_body(request: Request) -> bytes:
                     break
     except TimeoutError:
         raise ChannelError(408, "body_timeout", f"the body did not arrive within {timeout:g} s") from None
-    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    return b"".join(chunks)
 
 
 def decode(decoder: msgspec.json.Decoder[Any], body: bytes, *, empty_ok: bool = False) -> Any:

@@ -457,9 +457,9 @@ def run(args: argparse.Namespace) -> int:
         keel_env = {"REDIS_URL": redis_url, "KEEL_HOST": HOST, "KEEL_PORT": str(keel.port)}
         keel_env |= {"KEEL_LOG_LEVEL": "warning", "KEEL_AGENT": AGENT}
         keel.start([sys.executable, "-m", "app"], server_env(keel_env))
-        bare_argv = [sys.executable, str(Path(__file__).resolve()), "--serve-bare"]
-        bare_argv += ["--port", str(bare.port), "--redis-port", str(valkey_port)]
-        bare.start([*bare_argv, "--bare-gc-threshold", str(args.bare_gc_threshold)], server_env({}))
+        bare_argv = [sys.executable, str(Path(__file__).resolve()), "--serve-bare", "--port", str(bare.port)]
+        bare_argv += ["--redis-port", str(valkey_port), "--bare-gc-threshold", str(args.bare_gc_threshold)]
+        bare.start(bare_argv, server_env({}))
         systems = [
             System(keel, keel_session, lambda sid: f"/v1/sessions/{sid}/messages?wait=true"),
             System(bare, bare_session, lambda sid: f"/turn/{sid}"),
