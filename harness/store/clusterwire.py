@@ -30,6 +30,7 @@ from redis.crc import key_slot
 from redis.exceptions import AskError, ClusterDownError, MovedError, NoScriptError, TryAgainError
 
 from harness.store.client import Client
+from harness.store.link import POST_WAIT_S
 from harness.store.wire import QUIET, TIMEOUT_S, NotSent, Pool, Replicas, Wire, raised
 
 log = logging.getLogger("keel.store")
@@ -97,6 +98,9 @@ class ClusterWire:
         self.timeout = timeout or TIMEOUT_S
         self._pools: dict[str, Pool] = {}
         self._ready = False
+        self._gathered: list[Sequence[Any]] = []  # lazy writes to post, gathered (`_post`) ...
+        self._gathered_keys: set[bytes] = set()  # ... and their keys
+        self._gathering: asyncio.TimerHandle | None = None
         self._posted: set[asyncio.Future[list[Any]]] = set()  # lazy writes posted, their replies to come
         self._lazies: set[asyncio.Task[None]] = set()  # lazy writes that went the long way (`_lazy`)
 
@@ -105,6 +109,7 @@ class ClusterWire:
         `LAZY_CLOSE_S`: what a process that stops did not send, the next activity does)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + LAZY_CLOSE_S
+        self._post_gathered()
         if self._posted:
             await asyncio.wait(set(self._posted), timeout=LAZY_CLOSE_S)
         if self._lazies:  # (a refused posted write goes the long way)
@@ -118,7 +123,10 @@ class ClusterWire:
     async def call(self, commands: Sequence[Sequence[Any]], *, durable: bool = False) -> list[Any]:
         """Each command on its slot's owner (one write per slot, the slots at once); every reply
         in order, an error reply as the exception in its place (as `Pool.call`). `durable`:
-        each slot's commands wait for the replicas (`Replicas`), if the wire has any."""
+        each slot's commands wait for the replicas (`Replicas`), if the wire has any. Lazy
+        writes gathered to a key of `commands` go first (a read after a write finds it)."""
+        if self._gathered_keys and any(key_of(c) in self._gathered_keys for c in commands):
+            self._post_gathered()
         if len(commands) == 1:
             return await self._group(slot_of(commands[0]), list(commands), durable)
         by_slot: dict[int, list[int]] = {}
@@ -160,18 +168,19 @@ class ClusterWire:
         sessions): not waited for by replicas, its failures let be (a node of the list down, or
         its replica, is no reason to refuse a message that is safe). It is waited for (a new
         session's first place in the list: a read from anywhere right after finds it), or, with
-        `post`, not (a listed session's move on activity): posted on its node's shared link, it
-        goes out with that link's next write (a millisecond later at most), so a call of this
-        process after this one that reads it there finds it written.
-        Without replicas, those of `also` and `lazy` whose slot the script's node owns ride in
-        the script's write, after it (as on one server: run after the script, whatever it
-        answers); one refused there (its slot moved meanwhile) goes again the usual way."""
+        `post`, not (a listed session's move on activity): gathered with the lazy writes of the
+        next millisecond and posted with them, as few commands, on its node's shared link
+        (`_post`); a call of this process after this one that reads its key finds it written.
+        Without replicas, those of `also` and (unless posted) of `lazy` whose slot the script's
+        node owns ride in the script's write, after it (as on one server: run after the script,
+        whatever it answers); one refused there (its slot moved meanwhile) goes again the usual
+        way."""
         evalsha: tuple[Any, ...] = ("EVALSHA", sha, len(keys), *keys, *args)
         batch: list[Sequence[Any]] = [(*evalsha, *self.argv)]
         if self.replicas is not None:  # (the notice once WAIT had its replicas, not from the script)
             batch = [(*evalsha, *QUIET, *self.argv[1:]), *self.replicas.sync(keys)]
         slot = slot_of(evalsha)
-        extra = [*also, *lazy]
+        extra = [*also] if post else [*also, *lazy]  # (posted, the lazy writes are gathered: `_post`)
         riding = self._riders(slot, extra) if self.replicas is None and extra and self._ready else []
         batch += [extra[n] for n in riding]
         for attempt in range(2):
@@ -189,7 +198,7 @@ class ClusterWire:
         rode = dict(zip(riding, got[len(got) - len(riding) :], strict=True))
         done = {n: r for n, r in rode.items() if not isinstance(r, Exception)}  # (else: sent again below)
         left_also = [c for n, c in enumerate(also) if n not in done]
-        left_lazy = [c for n, c in enumerate(lazy, start=len(also)) if n not in done]
+        left_lazy = list(lazy) if post else [c for n, c in enumerate(lazy, start=len(also)) if n not in done]
         _, *sent = await self._after(reply, left_also, left_lazy, post)
         replies = iter(sent)
         return [reply, *(done[n] if n in done else next(replies) for n in range(len(also)))]
@@ -207,10 +216,27 @@ class ClusterWire:
         return [reply, *rest]
 
     def _post(self, lazy: Sequence[Sequence[Any]]) -> None:
-        """`lazy` sent on each node's shared link, its replies not waited for (`Pool.post`); a
-        node whose link is not open yet, or a slot map that lacks one, gets them the long way."""
+        """`lazy` gathered with the other lazy writes of the next `POST_WAIT_S` (or until a
+        call of this wire names one of their keys: they go ahead of it), then posted together
+        (`together`)."""
         if not lazy:
             return
+        self._gathered.extend(lazy)
+        self._gathered_keys.update(key_of(c) for c in lazy)
+        if self._gathering is None:
+            self._gathering = asyncio.get_running_loop().call_later(POST_WAIT_S, self._post_gathered)
+
+    def _post_gathered(self) -> None:
+        """The gathered lazy writes, as few commands, sent on each node's shared link, their
+        replies not waited for (`Pool.post`); a node whose link is not open yet, or a slot map
+        that lacks one, gets them the long way."""
+        if self._gathering is not None:
+            self._gathering.cancel()
+            self._gathering = None
+        if not self._gathered:
+            return
+        lazy, self._gathered = together(self._gathered), []
+        self._gathered_keys.clear()
         try:
             nodes: dict[str, tuple[ClusterNode, list[Sequence[Any]]]] = {}
             for command in lazy:
@@ -379,6 +405,27 @@ class ClusterWire:
     @staticmethod
     async def _wait(tries: int) -> None:
         await asyncio.sleep(BACKOFF_S[min(tries, len(BACKOFF_S) - 1)])
+
+
+def together(commands: Sequence[Sequence[Any]]) -> list[Sequence[Any]]:
+    """Lazy writes as fewer commands, to the same effect: the `ZADD key <flag> score member`s of
+    a key as one ZADD of every pair, in their order (a member given twice is added twice, as it
+    was), then the key's last PEXPIRE (after the adds: on a key they made, too). Anything else,
+    or a key added to with two flags: as they are."""
+    added: dict[Any, tuple[Any, list[Any]]] = {}
+    expiries: dict[Any, Sequence[Any]] = {}
+    for command in commands:
+        if command[0] == "ZADD" and len(command) == 5:
+            flag, pairs = added.setdefault(command[1], (command[2], []))
+            if flag != command[2]:
+                return list(commands)
+            pairs.extend(command[3:])
+        elif command[0] == "PEXPIRE" and len(command) == 3:
+            expiries[command[1]] = command
+        else:
+            return list(commands)
+    merged: list[Sequence[Any]] = [("ZADD", key, flag, *pairs) for key, (flag, pairs) in added.items()]
+    return [*merged, *expiries.values()]
 
 
 AnyWire = Wire | ClusterWire  # the store's hot path: `wire_for` picks one

@@ -13,7 +13,8 @@ import pytest
 from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
 
-from harness.store.clusterwire import ClusterWire
+from harness.store import clusterwire
+from harness.store.clusterwire import ClusterWire, together
 from harness.store.wire import Pool
 from tests.cluster import ValkeyCluster
 
@@ -141,3 +142,47 @@ async def test_a_lazy_write_goes_the_long_way_when_its_node_is_new_or_its_slot_m
     await w.close()  # (waits for the lazy writes still on their way)
     assert await client.zscore(fresh, "s1") == 7
     assert await client.zscore(moved, "s1") == 8
+
+
+async def test_posted_lazy_writes_are_gathered_into_one_command_a_key_until_a_call_names_it(
+    wire: tuple[ClusterWire, RedisCluster], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A busy process moves its sessions in their owner's list at every message and turn's end:
+    posted one by one, each cost a command (and its reply) on the list's node."""
+    w, client = wire
+    await client.script_load(SOURCE)
+    key, listed = keys_on(client, same=True)  # (on the script's node: gathered, not riding)
+    await w.call([("GET", key)])  # (the slot map read, the link open)
+    monkeypatch.setattr(clusterwire, "POST_WAIT_S", 60.0)  # (gathered until a call or the close)
+    posted: list[list[tuple[Any, ...]]] = []
+    post = Pool.post
+
+    def spy(self: Pool, commands: Any, done: Any) -> Any:
+        posted.append([tuple(c) for c in commands])
+        return post(self, commands, done)
+
+    monkeypatch.setattr(Pool, "post", spy)
+    for n in (1, 2, 3):
+        lazy = [("ZADD", listed, "GT", n, f"s{n % 2}"), ("PEXPIRE", listed, 60_000)]
+        assert (await w.script_with(SHA, SOURCE, [key], [], [], lazy=lazy, post=True))[0] == n
+    await w.call([("GET", "elsewhere")])  # a call that names none of their keys: still gathered
+    assert posted == [] and await client.exists(listed) == 0
+    # a read of their key: sent ahead of it, as one ZADD (s1 at 1 then 3, s0 at 2) and one PEXPIRE
+    (got,) = await w.call([("ZRANGE", listed, 0, -1, "WITHSCORES")])
+    assert got == [b"s0", b"2", b"s1", b"3"]
+    assert posted == [[("ZADD", listed, "GT", 1, "s1", 2, "s0", 3, "s1"), ("PEXPIRE", listed, 60_000)]]
+    assert 0 < await client.pttl(listed) <= 60_000
+    # the close sends what is still gathered
+    await w.script_with(SHA, SOURCE, [key], [], [], lazy=[("ZADD", listed, "GT", 9, "s0")], post=True)
+    await w.close()
+    assert await client.zscore(listed, "s0") == 9
+
+
+def test_lazy_writes_are_merged_only_where_the_effect_is_the_same() -> None:
+    adds = [("ZADD", "k", "GT", 1, "a"), ("PEXPIRE", "k", 5), ("ZADD", "j", "GT", 2, "b"), ("ZADD", "k", "GT", 3, "c")]
+    assert together(adds) == [("ZADD", "k", "GT", 1, "a", 3, "c"), ("ZADD", "j", "GT", 2, "b"), ("PEXPIRE", "k", 5)]
+    for kept in (
+        [("ZADD", "k", "GT", 1, "a"), ("ZREM", "k", "a")],  # (another command)
+        [("ZADD", "k", "GT", 1, "a"), ("ZADD", "k", "NX", 2, "a"), ("ZADD", "k", "GT", 3, "a")],  # (two flags)
+    ):
+        assert together(kept) == kept
