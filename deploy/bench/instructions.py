@@ -3,6 +3,7 @@ are not (the same count whatever else runs, for sequential turns).
 
     python deploy/bench/instructions.py [--mode plain|tool|http] [--short 100] [--long 900]
     python deploy/bench/instructions.py --side valkey [--mode plain|tool] ...
+    python deploy/bench/instructions.py --redis cluster [--mode plain|tool|http] ...
 
 Each mode runs keel twice under `valgrind --tool=callgrind`, once for --short turns and once for
 --long, against a private Valkey (not under valgrind), and prints the difference divided by the
@@ -15,6 +16,9 @@ append-only file, its network reads and writes).
 - tool: the same with one tool call a turn;
 - http: `python -m app` with the benchmark agent, driven over HTTP by a client outside valgrind:
   sequential `POST /v1/sessions/{id}/messages?wait=true` turns, counted in the web process.
+
+`--redis cluster` runs keel's side against a Valkey Cluster of 3 primaries (no replicas) instead
+of one Valkey: with the count on one Valkey, what a cluster's routing costs a turn.
 
 Needs Debian's valgrind. One RESULT line: {"mode", "turns", "instructions_per_turn"}.
 """
@@ -47,6 +51,7 @@ from app import build_harness  # noqa: E402
 from app.settings import Settings  # noqa: E402
 from harness import Agent  # noqa: E402
 from harness.models import ScriptedModel  # noqa: E402
+from tests.cluster import ValkeyCluster  # noqa: E402
 
 COLLECTED = re.compile(r"Collected : (\d+)")
 
@@ -136,6 +141,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     ap.add_argument("--mode", choices=["plain", "tool", "http"], default="plain")
     ap.add_argument("--side", choices=["keel", "valkey"], default="keel", help="whose instructions (default keel)")
+    ap.add_argument(
+        "--redis", choices=["server", "cluster"], default="server", help="keel's side against (default server)"
+    )
     ap.add_argument("--short", type=int, default=100, help="turns of the shorter run")
     ap.add_argument("--long", type=int, default=900, help="turns of the longer run")
     ap.add_argument("--drive", choices=["plain", "tool"], help=argparse.SUPPRESS)
@@ -148,6 +156,9 @@ def main() -> int:
     if shutil.which("valgrind") is None:
         print("needs valgrind (Debian's package valgrind)", file=sys.stderr)
         return 2
+    if args.side == "valkey" and args.redis == "cluster":
+        print("--side valkey counts one Valkey: not with --redis cluster", file=sys.stderr)
+        return 2
     if args.side == "valkey" and args.mode == "http":
         print("--side valkey counts in-process turns: --mode plain or tool", file=sys.stderr)
         return 2
@@ -158,23 +169,37 @@ def main() -> int:
         finally:
             shutil.rmtree(data, ignore_errors=True)
         return report(args, counts)
-    valkey, port = start_valkey(data, Deadline(600))
+    cluster = ValkeyCluster(primaries=3, replicas_each=0) if args.redis == "cluster" else None
+    if cluster is not None:
+        cluster.start()
+        port = cluster.primaries[0]  # (any node's address: keel asks it for the others)
+    else:
+        valkey, port = start_valkey(data, Deadline(600))
     try:
         counts = []
         for n in (args.short, args.long):
             log = data / f"callgrind-{n}.log"
             counts.append(over_http(n, port, log) if args.mode == "http" else in_process(args.mode, n, port, log))
     finally:
-        stop_process(valkey)
+        if cluster is not None:
+            cluster.stop()
+        else:
+            stop_process(valkey)
         shutil.rmtree(data, ignore_errors=True)
     return report(args, counts)
 
 
 def report(args: argparse.Namespace, counts: list[int]) -> int:
     per_turn = (counts[1] - counts[0]) / (args.long - args.short)
-    whose = "" if args.side == "keel" else f" ({args.side})"
+    whose = ("" if args.side == "keel" else f" ({args.side})") + (" on a cluster" if args.redis == "cluster" else "")
     print(f"{args.mode}{whose}: {per_turn / 1e6:.2f} M instructions per turn ({args.short} and {args.long} turns)")
-    result = {"mode": args.mode, "side": args.side, "turns": args.long - args.short, "instructions_per_turn": per_turn}
+    result = {
+        "mode": args.mode,
+        "side": args.side,
+        "redis": args.redis,
+        "turns": args.long - args.short,
+        "instructions_per_turn": per_turn,
+    }
     print("RESULT " + json.dumps(result))
     return 0
 
