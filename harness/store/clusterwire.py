@@ -56,7 +56,8 @@ SLOTS_MEMO = 50_000
 
 def slot_of(command: Sequence[Any]) -> int:
     """The slot `command` is routed to (by its `key_of`)."""
-    key = _routing_key(command)
+    name = command[0]
+    key = command[3] if name == "EVALSHA" else command[1] if name not in _KEY_ELSEWHERE else _routing_key(command)
     slot = _SLOTS.get(key)
     if slot is None:
         slot = key_slot(key if isinstance(key, bytes) else str(key).encode())
@@ -64,6 +65,9 @@ def slot_of(command: Sequence[Any]) -> int:
             _SLOTS.clear()
         _SLOTS[key] = slot
     return slot
+
+
+_KEY_ELSEWHERE = frozenset({"EVALSHA", "EVAL", "XREADGROUP"})  # (not the first argument: `_routing_key`)
 
 
 def key_of(command: Sequence[Any]) -> bytes:
@@ -99,7 +103,7 @@ class ClusterWire:
         self._pools: dict[str, Pool] = {}
         self._ready = False
         self._gathered: list[Sequence[Any]] = []  # lazy writes to post, gathered (`_post`) ...
-        self._gathered_keys: set[bytes] = set()  # ... and their keys
+        self._gathered_slots: set[int] = set()  # ... and their slots
         self._gathering: asyncio.TimerHandle | None = None
         self._posted: set[asyncio.Future[list[Any]]] = set()  # lazy writes posted, their replies to come
         self._lazies: set[asyncio.Task[None]] = set()  # lazy writes that went the long way (`_lazy`)
@@ -124,14 +128,17 @@ class ClusterWire:
         """Each command on its slot's owner (one write per slot, the slots at once); every reply
         in order, an error reply as the exception in its place (as `Pool.call`). `durable`:
         each slot's commands wait for the replicas (`Replicas`), if the wire has any. Lazy
-        writes gathered to a key of `commands` go first (a read after a write finds it)."""
-        if self._gathered_keys and any(key_of(c) in self._gathered_keys for c in commands):
-            self._post_gathered()
+        writes gathered in a slot of `commands` go first (a read after a write finds it)."""
         if len(commands) == 1:
-            return await self._group(slot_of(commands[0]), list(commands), durable)
+            slot = slot_of(commands[0])
+            if slot in self._gathered_slots:
+                self._post_gathered()
+            return await self._group(slot, list(commands), durable)
         by_slot: dict[int, list[int]] = {}
         for n, command in enumerate(commands):
             by_slot.setdefault(slot_of(command), []).append(n)
+        if self._gathered_slots and not self._gathered_slots.isdisjoint(by_slot):
+            self._post_gathered()
         replies: list[Any] = [None] * len(commands)
         groups = list(by_slot.items())
         sends = [self._group(slot, [commands[n] for n in idx], durable) for slot, idx in groups]
@@ -175,11 +182,12 @@ class ClusterWire:
         node owns ride in the script's write, after it (as on one server: run after the script,
         whatever it answers); one refused there (its slot moved meanwhile) goes again the usual
         way."""
-        evalsha: tuple[Any, ...] = ("EVALSHA", sha, len(keys), *keys, *args)
-        batch: list[Sequence[Any]] = [(*evalsha, *self.argv)]
-        if self.replicas is not None:  # (the notice once WAIT had its replicas, not from the script)
-            batch = [(*evalsha, *QUIET, *self.argv[1:]), *self.replicas.sync(keys)]
-        slot = slot_of(evalsha)
+        if self.replicas is None:
+            batch: list[Sequence[Any]] = [("EVALSHA", sha, len(keys), *keys, *args, *self.argv)]
+        else:  # (the notice once WAIT had its replicas, not from the script)
+            evalsha = ("EVALSHA", sha, len(keys), *keys, *args, *QUIET, *self.argv[1:])
+            batch = [evalsha, *self.replicas.sync(keys)]
+        slot = slot_of(batch[0])
         extra = [*also] if post else [*also, *lazy]  # (posted, the lazy writes are gathered: `_post`)
         riding = self._riders(slot, extra) if self.replicas is None and extra and self._ready else []
         batch += [extra[n] for n in riding]
@@ -194,6 +202,9 @@ class ClusterWire:
                 await self._mark(slot, self.replicas, keys, got[1:])
             break
         if not riding:
+            if not also and post:  # (a commit's: its lazy writes gathered, nothing waited for)
+                self._post(lazy)
+                return [reply]
             return await self._after(reply, also, lazy, post)
         rode = dict(zip(riding, got[len(got) - len(riding) :], strict=True))
         done = {n: r for n, r in rode.items() if not isinstance(r, Exception)}  # (else: sent again below)
@@ -217,12 +228,12 @@ class ClusterWire:
 
     def _post(self, lazy: Sequence[Sequence[Any]]) -> None:
         """`lazy` gathered with the other lazy writes of the next `POST_WAIT_S` (or until a
-        call of this wire names one of their keys: they go ahead of it), then posted together
+        call of this wire is for one of their slots: they go ahead of it), then posted together
         (`together`)."""
         if not lazy:
             return
         self._gathered.extend(lazy)
-        self._gathered_keys.update(key_of(c) for c in lazy)
+        self._gathered_slots.update(slot_of(c) for c in lazy)
         if self._gathering is None:
             self._gathering = asyncio.get_running_loop().call_later(POST_WAIT_S, self._post_gathered)
 
@@ -236,7 +247,7 @@ class ClusterWire:
         if not self._gathered:
             return
         lazy, self._gathered = together(self._gathered), []
-        self._gathered_keys.clear()
+        self._gathered_slots.clear()
         try:
             nodes: dict[str, tuple[ClusterNode, list[Sequence[Any]]]] = {}
             for command in lazy:
@@ -317,6 +328,31 @@ class ClusterWire:
         if not self._ready:
             await self.cluster.initialize()
             self._ready = True
+        first: list[Any] | NotSent
+        try:  # (as nearly always: the slot's owner takes every command, and that is all)
+            first = await self._pool(self._owner(slot)).call(commands)
+        except NotSent as exc:
+            first = exc
+        else:
+            for reply in first:
+                if isinstance(reply, Exception):
+                    break
+            else:
+                return first
+        return await self._redirected(slot, commands, first, routed=routed, unit=unit, riders=riders)
+
+    async def _redirected(
+        self,
+        slot: int,
+        commands: list[Sequence[Any]],
+        first: list[Any] | NotSent | None,
+        *,
+        routed: bool,
+        unit: bool,
+        riders: int,
+    ) -> list[Any]:
+        """`_on_slot` from its first write's outcome (`first`: replies with an error among them,
+        or NotSent) on."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + REDIRECT_S
         replies: list[Any] = [None] * len(commands)
@@ -329,9 +365,7 @@ class ClusterWire:
             node = self._asked(ask) if ask is not None else self._owner(slot)
             batch = commands if todo is everything else [commands[n] for n in todo]
             try:
-                # (ASKING holds for the one command after it: one before each)
-                sent = [x for c in batch for x in (("ASKING",), c)] if ask is not None else batch
-                got = await self._pool(node).call(sent)
+                got = await self._round(node, batch, ask, first)
             except NotSent:
                 if loop.time() >= deadline:
                     raise
@@ -340,6 +374,8 @@ class ClusterWire:
                 await self._refresh()
                 ask = None
                 continue
+            finally:
+                first = None
             if ask is not None:
                 got = got[1::2]
             elif todo is everything and not any(isinstance(r, REFUSALS) for r in got):
@@ -368,6 +404,18 @@ class ClusterWire:
             if refresh:
                 await self._refresh()
 
+    async def _round(
+        self, node: ClusterNode, batch: list[Sequence[Any]], ask: AskError | None, first: list[Any] | NotSent | None
+    ) -> list[Any]:
+        """A round's replies: the first write's outcome, if given (NotSent raised again), else
+        those of `batch` written to `node` (asked: ASKING before each command, which it holds
+        for the one command after it)."""
+        if isinstance(first, NotSent):
+            raise first
+        if first is not None:
+            return first
+        return await self._pool(node).call([x for c in batch for x in (("ASKING",), c)] if ask is not None else batch)
+
     async def _refused(self, reply: Any) -> tuple[bool, bool] | None:
         """Whether a reply is a refusal to follow, and how: (wait first, read the map again)."""
         if isinstance(reply, MovedError):
@@ -382,7 +430,13 @@ class ClusterWire:
         return None
 
     def _owner(self, slot: int) -> ClusterNode:
-        return self.cluster.nodes_manager.get_node_from_slot(slot)
+        """The slot's primary, as the slot map has it (as `get_node_from_slot` reads it, without
+        its replica choice: keel reads from primaries)."""
+        try:
+            node: ClusterNode = self.cluster.nodes_manager.slots_cache[slot][0]
+        except (KeyError, IndexError):  # (a slot no node owns just now: SlotNotCoveredError)
+            return self.cluster.nodes_manager.get_node_from_slot(slot)
+        return node
 
     def _asked(self, ask: AskError) -> ClusterNode:
         node = self.cluster.get_node(host=ask.host, port=ask.port)
