@@ -5,7 +5,6 @@ atomic operation on a session touches one cluster slot."""
 
 from __future__ import annotations
 
-import zlib
 from functools import cache
 
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
@@ -39,12 +38,13 @@ def job_streams(shards: int) -> tuple[str, ...]:
 
 
 def job_shard(sid: str, shards: int) -> int:
-    """The shard of a session's jobs: always the same one, so that its jobs' ids compare.
-    (Choosing it by the session's slot, so that on a cluster it mostly lives on the session's
-    node and the job rides in its script's write, waits one release: a process of a release
-    before this one acknowledges a job on the stream this rule names, not on the one it came
-    from, and there could delete another session's job of the same id. docs/benchmarks.md.)"""
-    return zlib.crc32(sid.encode()) % shards if shards > 1 else 0
+    """The shard of a session's jobs: always the same one, so that its jobs' ids compare; the one
+    whose part of the slot range (`job_streams`) holds the session's slot, so that on a cluster
+    whose primaries hold even ranges of slots the job stream lives on the session's node (but
+    where a node's range ends inside a part) and a message's job rides in its SUBMIT's write.
+    (Until 0.1.0 it was the session id's CRC32 modulo `shards`: a job is acknowledged on the
+    stream it came from, so jobs written by either rule are run and acknowledged alike.)"""
+    return key_slot(f"{{{sid}}}".encode()) * shards // REDIS_CLUSTER_HASH_SLOTS if shards > 1 else 0  # (its keys' tag)
 
 
 class RelayKeys:

@@ -7,13 +7,14 @@ import random
 from typing import Any
 
 import pytest
+from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
 from harness import Agent, tool
 from harness.errors import StaleLease, Unavailable
 from harness.models import ModelReply, ModelRequest, ScriptedModel, ToolCall
 from harness.runner.state import InHand, Phase
 from harness.store import Begun, Busy, JobId
-from harness.store.keys import JOBS_GROUP, job_shard, job_streams
+from harness.store.keys import JOBS_GROUP, SessionKeys, job_shard, job_streams
 from tests.events import env
 
 
@@ -182,3 +183,17 @@ async def test_a_drain_that_fails_after_a_round_leaves_its_jobs_pending(make_har
         ("user", "after"),
         ("assistant", "re:after"),
     ]
+
+
+def test_a_session_s_job_stream_is_in_the_part_of_the_slot_range_its_session_is_in() -> None:
+    """So that on a cluster whose primaries hold even ranges of slots a session's jobs live on
+    its node (but where a node's range ends inside a part), and a message's job rides in its
+    SUBMIT's write instead of a round trip of its own to another node."""
+    for shards in (2, 3, 8, 16):
+        streams = job_streams(shards)
+        for n in range(500):
+            sid = f"ses_{n:024x}"
+            part = key_slot(SessionKeys(sid).meta.encode()) * shards // REDIS_CLUSTER_HASH_SLOTS
+            stream = streams[job_shard(sid, shards)]
+            assert key_slot(stream.encode()) * shards // REDIS_CLUSTER_HASH_SLOTS == part, (shards, sid)
+    assert job_shard("ses_x", 1) == 0
