@@ -42,8 +42,8 @@ def job_shard(sid: str, shards: int) -> int:
     whose part of the slot range (`job_streams`) holds the session's slot, so that on a cluster
     whose primaries hold even ranges of slots the job stream lives on the session's node (but
     where a node's range ends inside a part) and a message's job rides in its SUBMIT's write.
-    (Until 0.1.0 it was the session id's CRC32 modulo `shards`: a job is acknowledged on the
-    stream it came from, so jobs written by either rule are run and acknowledged alike.)"""
+    (0.1.0 took the session id's CRC32 modulo `shards`; a job is acknowledged on the stream it
+    came from, so jobs written by either rule are run and acknowledged alike.)"""
     return key_slot(f"{{{sid}}}".encode()) * shards // REDIS_CLUSTER_HASH_SLOTS if shards > 1 else 0  # (its keys' tag)
 
 
