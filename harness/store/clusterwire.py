@@ -257,7 +257,7 @@ class ClusterWire:
             self._lazy_later(lazy)
             return
         for node, commands in nodes.values():
-            posted = self._pool(node).post(commands, functools.partial(self._answered, commands))
+            posted = self._pool(node).post(commands, functools.partial(self._answered, commands), hurry=True)
             if posted is None:
                 self._lazy_later(commands)
             elif not posted.done():
@@ -328,6 +328,7 @@ class ClusterWire:
         if not self._ready:
             await self.cluster.initialize()
             self._ready = True
+        deadline = asyncio.get_running_loop().time() + REDIRECT_S
         first: list[Any] | NotSent
         try:  # (as nearly always: the slot's owner takes every command, and that is all)
             first = await self._pool(self._owner(slot)).call(commands)
@@ -339,22 +340,22 @@ class ClusterWire:
                     break
             else:
                 return first
-        return await self._redirected(slot, commands, first, routed=routed, unit=unit, riders=riders)
+        return await self._redirected(slot, commands, first, deadline, routed=routed, unit=unit, riders=riders)
 
     async def _redirected(
         self,
         slot: int,
         commands: list[Sequence[Any]],
         first: list[Any] | NotSent | None,
+        deadline: float,
         *,
         routed: bool,
         unit: bool,
         riders: int,
     ) -> list[Any]:
         """`_on_slot` from its first write's outcome (`first`: replies with an error among them,
-        or NotSent) on."""
+        or NotSent) on, until `deadline` (loop time)."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + REDIRECT_S
         replies: list[Any] = [None] * len(commands)
         everything = range(len(commands))
         todo: Sequence[int] = everything
@@ -362,10 +363,9 @@ class ClusterWire:
         ask: AskError | None = None
         tries = 0
         while True:
-            node = self._asked(ask) if ask is not None else self._owner(slot)
             batch = commands if todo is everything else [commands[n] for n in todo]
             try:
-                got = await self._round(node, batch, ask, first)
+                got = await self._round(slot, batch, ask, first)
             except NotSent:
                 if loop.time() >= deadline:
                     raise
@@ -405,16 +405,18 @@ class ClusterWire:
                 await self._refresh()
 
     async def _round(
-        self, node: ClusterNode, batch: list[Sequence[Any]], ask: AskError | None, first: list[Any] | NotSent | None
+        self, slot: int, batch: list[Sequence[Any]], ask: AskError | None, first: list[Any] | NotSent | None
     ) -> list[Any]:
         """A round's replies: the first write's outcome, if given (NotSent raised again), else
-        those of `batch` written to `node` (asked: ASKING before each command, which it holds
-        for the one command after it)."""
+        those of `batch` written to the slot's owner, or to the node that asked for it (with
+        ASKING before each command, which it holds for the one command after it)."""
         if isinstance(first, NotSent):
             raise first
         if first is not None:
             return first
-        return await self._pool(node).call([x for c in batch for x in (("ASKING",), c)] if ask is not None else batch)
+        if ask is None:
+            return await self._pool(self._owner(slot)).call(batch)
+        return await self._pool(self._asked(ask)).call([x for c in batch for x in (("ASKING",), c)])
 
     async def _refused(self, reply: Any) -> tuple[bool, bool] | None:
         """Whether a reply is a refusal to follow, and how: (wait first, read the map again)."""
@@ -461,6 +463,9 @@ class ClusterWire:
         await asyncio.sleep(BACKOFF_S[min(tries, len(BACKOFF_S) - 1)])
 
 
+_MERGED_FLAGS = frozenset({"GT", "LT", "NX", "XX"})  # (a ZADD of one pair and one of these: merged)
+
+
 def together(commands: Sequence[Sequence[Any]]) -> list[Sequence[Any]]:
     """Lazy writes as fewer commands, to the same effect: the `ZADD key <flag> score member`s of
     a key as one ZADD of every pair, in their order (a member given twice is added twice, as it
@@ -469,7 +474,7 @@ def together(commands: Sequence[Sequence[Any]]) -> list[Sequence[Any]]:
     added: dict[Any, tuple[Any, list[Any]]] = {}
     expiries: dict[Any, Sequence[Any]] = {}
     for command in commands:
-        if command[0] == "ZADD" and len(command) == 5:
+        if command[0] == "ZADD" and len(command) == 5 and command[2] in _MERGED_FLAGS:
             flag, pairs = added.setdefault(command[1], (command[2], []))
             if flag != command[2]:
                 return list(commands)

@@ -44,7 +44,10 @@ def job_shard(sid: str, shards: int) -> int:
     where a node's range ends inside a part) and a message's job rides in its SUBMIT's write.
     (0.1.0 took the session id's CRC32 modulo `shards`; a job is acknowledged on the stream it
     came from, so jobs written by either rule are run and acknowledged alike.)"""
-    return key_slot(f"{{{sid}}}".encode()) * shards // REDIS_CLUSTER_HASH_SLOTS if shards > 1 else 0  # (its keys' tag)
+    if shards <= 1:
+        return 0
+    slot = key_slot(f"{{{sid}}}".encode())  # (its keys' hash tag)
+    return ((slot + 1) * shards - 1) // REDIS_CLUSTER_HASH_SLOTS  # (the n with n * H // shards <= slot)
 
 
 class RelayKeys:

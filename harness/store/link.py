@@ -155,14 +155,14 @@ class RespLink(asyncio.Protocol):
         return replies
 
     def post(
-        self, data: bytes, count: int, done: Callable[[asyncio.Future[list[Any]]], None]
+        self, data: bytes, count: int, done: Callable[[asyncio.Future[list[Any]]], None], *, hurry: bool = False
     ) -> asyncio.Future[list[Any]]:
-        """`call` without waiting for it, nor hurrying it: the commands go out with the link's
-        next write (in their order among the calls on it: a call after them finds them run),
-        at the latest `POST_WAIT_S` from now, and `done` gets the future of their replies. No
-        deadline of their own: should Redis stop answering, the deadline of a call after them
-        breaks the link, and fails them too."""
-        future = self._send(data, count, math.inf, hurry=False).future
+        """`call` without waiting for it, nor (unless `hurry`: written as a call is) hurrying it:
+        the commands go out with the link's next write (in their order among the calls on it: a
+        call after them finds them run), at the latest `POST_WAIT_S` from now, and `done` gets
+        the future of their replies. No deadline of their own: should Redis stop answering, the
+        deadline of a call after them breaks the link, and fails them too."""
+        future = self._send(data, count, math.inf, hurry=hurry).future
         future.add_done_callback(done)
         return future
 

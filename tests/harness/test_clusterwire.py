@@ -5,6 +5,7 @@ comes before the message."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from collections.abc import AsyncIterator
 from typing import Any
@@ -157,9 +158,9 @@ async def test_posted_lazy_writes_are_gathered_into_one_command_a_key_until_a_ca
     posted: list[list[tuple[Any, ...]]] = []
     post = Pool.post
 
-    def spy(self: Pool, commands: Any, done: Any) -> Any:
+    def spy(self: Pool, commands: Any, done: Any, **kw: Any) -> Any:
         posted.append([tuple(c) for c in commands])
-        return post(self, commands, done)
+        return post(self, commands, done, **kw)
 
     monkeypatch.setattr(Pool, "post", spy)
     for n in (1, 2, 3):
@@ -186,3 +187,18 @@ def test_lazy_writes_are_merged_only_where_the_effect_is_the_same() -> None:
         [("ZADD", "k", "GT", 1, "a"), ("ZADD", "k", "NX", 2, "a"), ("ZADD", "k", "GT", 3, "a")],  # (two flags)
     ):
         assert together(kept) == kept
+
+
+async def test_gathered_lazy_writes_go_out_by_themselves_within_moments(
+    wire: tuple[ClusterWire, RedisCluster],
+) -> None:
+    """With no call after them, the gathered writes go when their millisecond is up: another
+    process's read of the list finds the session moved."""
+    w, client = wire
+    await client.script_load(SOURCE)
+    key, listed = keys_on(client, same=False)
+    await w.call([("GET", key), ("GET", listed)])  # (the slot map read, both nodes' links open)
+    await w.script_with(SHA, SOURCE, [key], [], [], lazy=[("ZADD", listed, "GT", 4, "s4")], post=True)
+    async with asyncio.timeout(5):
+        while await client.zscore(listed, "s4") is None:  # noqa: ASYNC110 (another connection's read: no event to wait on)
+            await asyncio.sleep(0.001)

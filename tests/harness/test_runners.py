@@ -189,11 +189,17 @@ def test_a_session_s_job_stream_is_in_the_part_of_the_slot_range_its_session_is_
     """So that on a cluster whose primaries hold even ranges of slots a session's jobs live on
     its node (but where a node's range ends inside a part), and a message's job rides in its
     SUBMIT's write instead of a round trip of its own to another node."""
-    for shards in (2, 3, 8, 16):
+
+    def part(slot: int, shards: int) -> int:  # (`job_streams`' parts: [n * H // shards, (n + 1) * H // shards))
+        return next(n for n in range(shards) if slot < (n + 1) * REDIS_CLUSTER_HASH_SLOTS // shards)
+
+    for shards in (2, 3, 7, 8, 16):
         streams = job_streams(shards)
         for n in range(500):
             sid = f"ses_{n:024x}"
-            part = key_slot(SessionKeys(sid).meta.encode()) * shards // REDIS_CLUSTER_HASH_SLOTS
             stream = streams[job_shard(sid, shards)]
-            assert key_slot(stream.encode()) * shards // REDIS_CLUSTER_HASH_SLOTS == part, (shards, sid)
+            assert part(key_slot(stream.encode()), shards) == part(key_slot(SessionKeys(sid).meta.encode()), shards)
+    for slot in (0, 5460, 5461, 10922, 10923, 16383):  # (the parts' edges with 3 shards)
+        sid = next(f"s{n}" for n in range(100_000) if key_slot(f"{{s{n}}}".encode()) == slot)
+        assert job_shard(sid, 3) == part(slot, 3), slot
     assert job_shard("ses_x", 1) == 0
