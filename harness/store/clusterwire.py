@@ -30,11 +30,11 @@ from redis.crc import key_slot
 from redis.exceptions import AskError, ClusterDownError, MovedError, NoScriptError, TryAgainError
 
 from harness.store.client import Client
-from harness.store.link import POST_WAIT_S
 from harness.store.wire import QUIET, TIMEOUT_S, NotSent, Pool, Replicas, Wire, raised
 
 log = logging.getLogger("keel.store")
 REDIRECT_S = 10.0  # how long a call follows redirections and waits out a failover
+POST_WAIT_S = 0.001  # how long lazy writes are gathered before they are posted (`_post`)
 LAZY_CLOSE_S = 1.0  # how long closing waits for the lazy writes still on their way
 BACKOFF_S = (0.02, 0.05, 0.1, 0.2, 0.4, 0.5)  # waits between tries that found no owner
 REFUSALS = (MovedError, AskError, TryAgainError, ClusterDownError)  # (followed: see `_refused`)
@@ -56,8 +56,7 @@ SLOTS_MEMO = 50_000
 
 def slot_of(command: Sequence[Any]) -> int:
     """The slot `command` is routed to (by its `key_of`)."""
-    name = command[0]
-    key = command[3] if name == "EVALSHA" else command[1] if name not in _KEY_ELSEWHERE else _routing_key(command)
+    key = _routing_key(command)
     slot = _SLOTS.get(key)
     if slot is None:
         slot = key_slot(key if isinstance(key, bytes) else str(key).encode())
@@ -65,9 +64,6 @@ def slot_of(command: Sequence[Any]) -> int:
             _SLOTS.clear()
         _SLOTS[key] = slot
     return slot
-
-
-_KEY_ELSEWHERE = frozenset({"EVALSHA", "EVAL", "XREADGROUP"})  # (not the first argument: `_routing_key`)
 
 
 def key_of(command: Sequence[Any]) -> bytes:
@@ -202,9 +198,6 @@ class ClusterWire:
                 await self._mark(slot, self.replicas, keys, got[1:])
             break
         if not riding:
-            if not also and post:  # (a commit's: its lazy writes gathered, nothing waited for)
-                self._post(lazy)
-                return [reply]
             return await self._after(reply, also, lazy, post)
         rode = dict(zip(riding, got[len(got) - len(riding) :], strict=True))
         done = {n: r for n, r in rode.items() if not isinstance(r, Exception)}  # (else: sent again below)
@@ -257,7 +250,7 @@ class ClusterWire:
             self._lazy_later(lazy)
             return
         for node, commands in nodes.values():
-            posted = self._pool(node).post(commands, functools.partial(self._answered, commands), hurry=True)
+            posted = self._pool(node).post(commands, functools.partial(self._answered, commands))
             if posted is None:
                 self._lazy_later(commands)
             elif not posted.done():

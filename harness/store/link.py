@@ -6,8 +6,8 @@ reader, no per-reply coroutine and no timer per read or per call (one timer a li
 deadlines of the calls in flight). Calls may overlap on it (a pool shares one for every call
 that does not block Redis): those that come while others are in flight go out together at the
 loop's next turn, so a busy process writes and wakes once for many calls, not once for each.
-Commands posted (sent, their replies not waited for: a cluster's lazy writes) wait for the
-next write, a millisecond at most. It speaks to a node over TCP or a Unix socket, with AUTH
+Commands posted (sent, their replies not waited for: a cluster's lazy writes) go out as a
+call's do. It speaks to a node over TCP or a Unix socket, with AUTH
 and SELECT as the client's URL asks.
 For what it does not speak (TLS, a credential provider, RESP3, a connection class of the
 caller's) a pool uses `ClientLink`, the same calls over redis-py's own connection.
@@ -47,9 +47,6 @@ _ERRORS: dict[str, Callable[[str], ResponseError]] = {
     "TRYAGAIN": TryAgainError,
     "CLUSTERDOWN": ClusterDownError,
 }
-
-
-POST_WAIT_S = 0.001  # how long posted commands wait for a write to go with, at most
 
 
 class _Reply(Exception):
@@ -92,7 +89,6 @@ class RespLink(asyncio.Protocol):
         self._calls: deque[_Call] = deque()  # in flight, in the order they were written
         self._out: list[bytes] = []  # calls' commands waiting for the next write
         self._soon = False  # the next write is at the loop's next turn
-        self._later: asyncio.TimerHandle | None = None  # ... or, for posted commands only, then
         self._broken = False  # data while idle, end-of-file, a failed or cut call: not reused
         # the deadlines' one timer: set for the earliest deadline in flight, or later (a call
         # that ended before its deadline leaves it set: when it fires, it looks again)
@@ -155,42 +151,34 @@ class RespLink(asyncio.Protocol):
         return replies
 
     def post(
-        self, data: bytes, count: int, done: Callable[[asyncio.Future[list[Any]]], None], *, hurry: bool = False
+        self, data: bytes, count: int, done: Callable[[asyncio.Future[list[Any]]], None]
     ) -> asyncio.Future[list[Any]]:
-        """`call` without waiting for it, nor (unless `hurry`: written as a call is) hurrying it:
-        the commands go out with the link's next write (in their order among the calls on it: a
-        call after them finds them run), at the latest `POST_WAIT_S` from now, and `done` gets
-        the future of their replies. No deadline of their own: should Redis stop answering, the
+        """`call` without waiting for it: the commands are written as a call's are (in their
+        order among the calls on it: a call after them finds them run), and `done` gets the
+        future of their replies. No deadline of their own: should Redis stop answering, the
         deadline of a call after them breaks the link, and fails them too."""
-        future = self._send(data, count, math.inf, hurry=hurry).future
+        future = self._send(data, count, math.inf).future
         future.add_done_callback(done)
         return future
 
-    def _send(self, data: bytes, count: int, deadline: float, *, hurry: bool = True) -> _Call:
+    def _send(self, data: bytes, count: int, deadline: float) -> _Call:
         transport = self._transport
         if transport is None or self._broken:
             raise ConnectionError("the connection to Redis is closed")
         loop = asyncio.get_running_loop()
         call = _Call(count, loop.create_future(), deadline)
-        if hurry and not self._calls and not self._out:
+        if not self._calls and not self._out:
             transport.write(data)
-        else:  # (others in flight, or posted: with the next write, at the loop's turn or later)
+        else:  # (others in flight: with the next write, at the loop's next turn)
             self._out.append(data)
-            if self._soon:
-                pass  # (a write at the loop's next turn takes it)
-            elif hurry:
+            if not self._soon:
                 self._soon = True
                 loop.call_soon(self._flush)
-            elif self._later is None:
-                self._later = loop.call_later(POST_WAIT_S, self._flush)
         self._calls.append(call)
         return call
 
     def _flush(self) -> None:
         self._soon = False
-        if self._later is not None:
-            self._later.cancel()
-            self._later = None
         out, self._out = self._out, []
         if self._transport is not None and out:
             self._transport.write(b"".join(out))
@@ -222,9 +210,6 @@ class RespLink(asyncio.Protocol):
 
     async def close(self) -> None:
         self._broken = True
-        if self._later is not None:
-            self._later.cancel()
-            self._later = None
         if self._timer is not None:
             self._timer.cancel()
             self._timer, self._timer_at = None, math.inf

@@ -129,11 +129,7 @@ class Pool:
         return link
 
     def post(
-        self,
-        commands: Sequence[Sequence[Any]],
-        done: Callable[[asyncio.Future[list[Any]]], None],
-        *,
-        hurry: bool = False,
+        self, commands: Sequence[Sequence[Any]], done: Callable[[asyncio.Future[list[Any]]], None]
     ) -> asyncio.Future[list[Any]] | None:
         """`commands` on the shared link without waiting for their replies (`RespLink.post`:
         `done` gets them; so does the future returned); None, and nothing sent, if that link is
@@ -141,7 +137,7 @@ class Pool:
         shared = self._open_link()
         if not self._resp or shared is None or blocks(commands):
             return None
-        return shared.post(pack(commands), len(commands), done, hurry=hurry)
+        return shared.post(pack(commands), len(commands), done)
 
     async def call(self, commands: Sequence[Sequence[Any]]) -> list[Any]:
         """Send `commands` in one write and read all their replies, as a pipeline without a

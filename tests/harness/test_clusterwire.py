@@ -158,9 +158,9 @@ async def test_posted_lazy_writes_are_gathered_into_one_command_a_key_until_a_ca
     posted: list[list[tuple[Any, ...]]] = []
     post = Pool.post
 
-    def spy(self: Pool, commands: Any, done: Any, **kw: Any) -> Any:
+    def spy(self: Pool, commands: Any, done: Any) -> Any:
         posted.append([tuple(c) for c in commands])
-        return post(self, commands, done, **kw)
+        return post(self, commands, done)
 
     monkeypatch.setattr(Pool, "post", spy)
     for n in (1, 2, 3):
