@@ -16,14 +16,12 @@ from starlette.middleware import Middleware
 from app.metrics import PATH as METRICS_PATH
 from app.metrics import Metrics, Sources
 from app.settings import Settings
-from channels.auth import ApiKeyAuth
-from channels.cors import FrontendCors
-from channels.drain import Drain, DrainGate
+from channels.drain import Drain
 from channels.errors import http_error_handler, keel_error_handler
+from channels.front import Front
 from channels.limits import Occupancy
 from channels.mcp import PATH as MCP_PATH
 from channels.mcp import McpChannel
-from channels.requestid import RequestIds
 from channels.routes import routes
 from channels.sse import SseStats
 from channels.tokens import TokenSigner
@@ -152,11 +150,10 @@ def create_app(
         ],
         middleware=[
             *([Middleware(TraceRequests)] if tracing.enabled() else []),  # (tracing on: the request's span)
-            Middleware(RequestIds),
-            Middleware(DrainGate, drain=drain),
-            Middleware(FrontendCors, origins=settings.allowed_origins),  # (a preflight carries no key)
             Middleware(
-                ApiKeyAuth,
+                Front,  # (request ids, the drain, the frontend routes' CORS, the API keys)
+                drain=drain,
+                origins=settings.allowed_origins,
                 keys=settings.api_keys,
                 open_paths=[p for c in hooks for p, _ in c.routes()],
                 guarded=[METRICS_PATH, MCP_PATH],

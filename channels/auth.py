@@ -1,4 +1,4 @@
-"""API-key authentication as pure ASGI middleware (no BaseHTTPMiddleware: it breaks contextvars).
+"""API-key authentication, checked by the front door (`channels.front`).
 
 With keys configured, every `/v1` request needs `Authorization: Bearer <key>` (a frontend
 protocol's route takes a session's token there too, checked by its handler); the caller's
@@ -29,11 +29,10 @@ def owner_of(key: str) -> str:
     return hashlib.sha256(b"keel-owner:" + key.encode()).hexdigest()[:32]
 
 
-class ApiKeyAuth:
-    def __init__(
-        self, app: ASGIApp, keys: Iterable[str], open_paths: Iterable[str] = (), guarded: Iterable[str] = ()
-    ) -> None:
-        self.app = app
+class ApiKeys:
+    """The configured keys, and who a request is by them."""
+
+    def __init__(self, keys: Iterable[str], open_paths: Iterable[str] = (), guarded: Iterable[str] = ()) -> None:
         self._guarded = frozenset(guarded)  # paths outside /v1 that need a key too (/metrics)
         self._digests = [hashlib.sha256(k.encode()).digest() for k in keys if k]
         self._open = frozenset(open_paths)  # webhook routes: the provider's signature is their credential
@@ -52,42 +51,59 @@ class ApiKeyAuth:
             found |= hmac.compare_digest(d, digest)
         return owner_of(given.decode("utf-8", "replace")) if found else None
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    def admit(self, scope: Scope) -> bool:
+        """Whether the request (or websocket) may go on to its route: its owner, or a session
+        token to check, put in its state; False: answer `refuse`."""
         path = scope.get("path", "")
-        if (
-            scope["type"] not in ("http", "websocket")
-            or not (protected(path) or path in self._guarded)
-            or path in self._open
-        ):
-            await self.app(scope, receive, send)
-            return
-        header = next((v for k, v in scope["headers"] if k == b"authorization"), None)
+        if not (protected(path) or path in self._guarded) or path in self._open:
+            return True
+        header = None
+        for k, v in scope["headers"]:
+            if k == b"authorization":
+                header = v
+                break
         owner = self.identify(header)
         if owner is None and scope["type"] == "websocket":
             # The socket handler accepts, then checks a ?token= or closes with 4401: a browser
             # sees a close code only on an accepted socket (and cannot send this header at all).
-            await self.app(scope, receive, send)
-            return
+            return True
         if owner is None and frontend(path) and header is not None and header[:7].lower() == b"bearer ":
             # A frontend protocol's route may be opened with a session token instead of a key:
             # its handler checks it against the session it names (`session_owner`).
             scope.setdefault("state", {})["bearer"] = header[7:].strip().decode("utf-8", "replace")
-            await self.app(scope, receive, send)
-            return
+            return True
         if owner is None:
-            body = error_body("unauthorized", "missing or wrong API key (Authorization: Bearer <key>)")
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": 401,
-                    "headers": [
-                        (b"content-type", b"application/json"),
-                        (b"www-authenticate", b"Bearer"),
-                        (b"content-length", str(len(body)).encode()),
-                    ],
-                }
-            )
-            await send({"type": "http.response.body", "body": body})
-            return
+            return False
         scope.setdefault("state", {})["owner"] = owner
+        return True
+
+
+async def refuse(send: Send) -> None:
+    """401 `unauthorized`: no key, or a wrong one."""
+    body = error_body("unauthorized", "missing or wrong API key (Authorization: Bearer <key>)")
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 401,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"www-authenticate", b"Bearer"),
+                (b"content-length", str(len(body)).encode()),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+class ApiKeyAuth:
+    """The keys alone as ASGI middleware: the metrics port's app, which has no front door."""
+
+    def __init__(self, app: ASGIApp, keys: Iterable[str], guarded: Iterable[str] = ()) -> None:
+        self.app = app
+        self.keys = ApiKeys(keys, guarded=guarded)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] in ("http", "websocket") and not self.keys.admit(scope):
+            await refuse(send)
+            return
         await self.app(scope, receive, send)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from starlette.middleware.cors import CORSMiddleware
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp
 
 FRONTEND_PREFIXES = ("/v1/chat", "/v1/agui")
 
@@ -19,22 +19,17 @@ def frontend(path: str) -> bool:
     return any(path == p or path.startswith(p + "/") for p in FRONTEND_PREFIXES)
 
 
-class FrontendCors:
-    def __init__(self, app: ASGIApp, origins: Sequence[str]) -> None:
-        self.app = app
-        self.cors: ASGIApp | None = None
-        if origins:
-            self.cors = CORSMiddleware(
-                app,
-                allow_origins=list(origins),
-                allow_methods=["GET", "POST"],
-                allow_headers=["authorization", "content-type"],
-                expose_headers=["x-vercel-ai-ui-message-stream", "x-request-id"],
-                max_age=600,
-            )
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.cors is not None and scope["type"] == "http" and frontend(scope.get("path", "")):
-            await self.cors(scope, receive, send)
-        else:
-            await self.app(scope, receive, send)
+def frontend_cors(app: ASGIApp, origins: Sequence[str]) -> ASGIApp | None:
+    """`app` behind CORS for `origins` (preflights answered, the response's headers added), or
+    None without origins. The front door (`channels.front`) sends the frontend routes' requests
+    through it."""
+    if not origins:
+        return None
+    return CORSMiddleware(
+        app,
+        allow_origins=list(origins),
+        allow_methods=["GET", "POST"],
+        allow_headers=["authorization", "content-type"],
+        expose_headers=["x-vercel-ai-ui-message-stream", "x-request-id"],
+        max_age=600,
+    )

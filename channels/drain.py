@@ -4,7 +4,7 @@ Once it begins: `/readyz` and every new request answer 503 `draining` with `Retr
 load balancer, or the client, goes to another process), new websockets are closed with 1012,
 open SSE streams end cleanly and open websockets close with 1012 (the client reconnects
 elsewhere with its last event id and misses nothing). `/healthz` and `/metrics` still answer.
-`Drain` is the state; `DrainGate` the pure ASGI middleware in front of the routes; the app's
+`Drain` is the state, which the front door (`channels.front`) keeps and answers by; the app's
 server begins the drain and waits for `settled`."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import Receive, Send
 
 from channels.errors import error_body
 
@@ -36,9 +36,19 @@ class Drain:
         self._last = asyncio.get_running_loop().time()
         self.begun.set()
 
-    def came(self) -> None:
+    def let_in(self, path: str) -> bool:
+        """A request or websocket came for `path`: whether it goes through (then it counts as
+        open until the front door calls `left`), or is refused (the drain began)."""
         if self.begun.is_set():
             self._last = asyncio.get_running_loop().time()
+            if path not in OPEN_PATHS:
+                self.refused += 1
+                return False
+        self.open += 1
+        return True
+
+    def left(self) -> None:
+        self.open -= 1
 
     async def settled(self, quiet: float, deadline: float) -> bool:
         """Once nothing let through is open any more and no request came for `quiet` seconds
@@ -54,27 +64,10 @@ class Drain:
             await asyncio.sleep(min(0.05, deadline - now))
 
 
-class DrainGate:
-    def __init__(self, app: ASGIApp, drain: Drain) -> None:
-        self.app = app
-        self.drain = drain
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        kind = scope["type"]
-        if kind not in ("http", "websocket"):
-            await self.app(scope, receive, send)
-            return
-        drain = self.drain
-        drain.came()
-        if drain.draining and scope["path"] not in OPEN_PATHS:
-            drain.refused += 1
-            await (_refuse(send) if kind == "http" else _close(receive, send))
-            return
-        drain.open += 1
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            drain.open -= 1
+async def refuse(kind: str, receive: Receive, send: Send) -> None:
+    """A request (`kind` "http") or websocket that came once the drain began: 503 `draining`,
+    or close 1012. The front door (`channels.front`) sends it."""
+    await (_refuse(send) if kind == "http" else _close(receive, send))
 
 
 async def _refuse(send: Send) -> None:

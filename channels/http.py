@@ -74,7 +74,8 @@ async def read_body(request: Request) -> bytes:
     """The request body, refusing more than the configured limit without reading it all. Read
     from the ASGI messages as they come (Starlette's `request.stream()`, an async generator,
     cost a third of a plain request's handling here); a body that stalls mid-way holds nothing
-    for long."""
+    for long: a timer cancels the read (`asyncio.timeout` did the same for four times the cost,
+    about 3 us a request)."""
     state = request.app.state
     limit: int = state.max_body
     declared = next((v for k, v in request.scope["headers"] if k == b"content-length"), None)
@@ -84,22 +85,34 @@ async def read_body(request: Request) -> bytes:
     chunks: list[bytes] = []
     size = 0
     timeout: float = getattr(state, "body_timeout", 30.0)
+    task = asyncio.current_task()
+    assert task is not None
+    stalled: list[bool] = []
+    timer = asyncio.get_running_loop().call_later(timeout, _stall, task, stalled)
     try:
-        async with asyncio.timeout(timeout):
-            while True:
-                message = await receive()
-                if message["type"] != "http.request":  # (http.disconnect: the client went away mid-body)
-                    raise ChannelError(400, "incomplete_body", "the client disconnected before the body ended")
-                chunk: bytes = message.get("body", b"")
-                size += len(chunk)
-                if size > limit:
-                    raise ChannelError(413, "too_large", f"the body is larger than {limit} bytes")
-                chunks.append(chunk)
-                if not message.get("more_body", False):
-                    break
-    except TimeoutError:
-        raise ChannelError(408, "body_timeout", f"the body did not arrive within {timeout:g} s") from None
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # (http.disconnect: the client went away mid-body)
+                raise ChannelError(400, "incomplete_body", "the client disconnected before the body ended")
+            chunk: bytes = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise ChannelError(413, "too_large", f"the body is larger than {limit} bytes")
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+    except asyncio.CancelledError:
+        if stalled and task.uncancel() == 0:  # (the timer's cancel alone: a shutdown's goes on)
+            raise ChannelError(408, "body_timeout", f"the body did not arrive within {timeout:g} s") from None
+        raise
+    finally:
+        timer.cancel()
     return b"".join(chunks)
+
+
+def _stall(task: asyncio.Task[Any], stalled: list[bool]) -> None:
+    stalled.append(True)
+    task.cancel()
 
 
 def decode(decoder: msgspec.json.Decoder[Any], body: bytes, *, empty_ok: bool = False) -> Any:

@@ -1,4 +1,4 @@
-"""Request ids as pure ASGI middleware (BaseHTTPMiddleware would break contextvars).
+"""Request ids, given by the front door (`channels.front`).
 
 Every HTTP request and websocket gets an id: the caller's `X-Request-ID` when it is a sane one
 (1-128 of `A-Z a-z 0-9 . _ : -`, so nothing odd reaches a log line), else a new `req_...` (a
@@ -12,7 +12,7 @@ import itertools
 import os
 import re
 
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Message, Scope, Send
 
 from harness.telemetry.logcontext import request_id, session_id
 
@@ -23,24 +23,27 @@ _PREFIX = "req_" + os.urandom(6).hex()  # this process's, then a counter: unique
 _counter = itertools.count(1)
 
 
-class RequestIds:
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
+def assign(scope: Scope) -> tuple[bytes, bytes]:
+    """The request's id, set in the log context with the session id its path names: the
+    response header that echoes it."""
+    given = None
+    for k, v in scope["headers"]:
+        if k == HEADER:
+            given = v
+            break
+    rid = given.decode() if given is not None and VALID.match(given) else f"{_PREFIX}{next(_counter):x}"
+    request_id.set(rid)
+    path: str = scope.get("path", "")
+    session_id.set(path[len(SESSIONS) :].partition("/")[0] or None if path.startswith(SESSIONS) else None)
+    return (HEADER, rid.encode())
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] not in ("http", "websocket"):
-            await self.app(scope, receive, send)
-            return
-        given = next((v for k, v in scope["headers"] if k == HEADER), None)
-        rid = given.decode() if given is not None and VALID.match(given) else f"{_PREFIX}{next(_counter):x}"
-        request_id.set(rid)
-        path: str = scope.get("path", "")
-        session_id.set(path[len(SESSIONS) :].partition("/")[0] or None if path.startswith(SESSIONS) else None)
-        echoed = (HEADER, rid.encode())
 
-        async def send_with_id(message: Message) -> None:
-            if message["type"] in ("http.response.start", "websocket.accept"):
-                message["headers"] = [*message.get("headers", ()), echoed]
-            await send(message)
+def echoed(send: Send, header: tuple[bytes, bytes]) -> Send:
+    """`send` with the request id's header added to the response's start (or the socket's accept)."""
 
-        await self.app(scope, receive, send_with_id)
+    async def send_with_id(message: Message) -> None:
+        if message["type"] in ("http.response.start", "websocket.accept"):
+            message["headers"] = [*message.get("headers", ()), header]
+        await send(message)
+
+    return send_with_id

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Coroutine
@@ -162,7 +163,8 @@ class ModelCall:
                 await self.store.count_attempt(self.sid)  # before the call: a reply lost in a crash still counts
             counted = False
             began = time.perf_counter()
-            with tracing.span(f"chat {self.model_name}", self._attributes(request, retry), signals=STOPS) as span:
+            attributes = functools.partial(self._attributes, request, retry)  # (made only if traced)
+            with tracing.span(f"chat {self.model_name}", attributes, signals=STOPS) as span:
                 try:
                     reply = await self._cut_short(self._stream(request, item_id))
                 except (Interrupted, HandedOver) as exc:
@@ -179,8 +181,9 @@ class ModelCall:
                     if reply.usage is not None:
                         usage = reply.usage
                         self.stats.cache_read(self.agent.name, self.model_name, usage.input_tokens, usage.cached_tokens)
-                    tracing.record(span, _usage_attributes(reply))
-                    tracing.content(span, "gen_ai.output.messages", reply.text)
+                    if span is not None:
+                        tracing.record(span, _usage_attributes(reply))
+                        tracing.content(span, "gen_ai.output.messages", reply.text)
                     return reply
             log.warning("session %s turn %s: model attempt failed: %s", self.sid, self.turn_id, error.code)
             await self._record_failed(step)

@@ -375,7 +375,7 @@ class Runner:
                 )
                 with tracing.span(
                     f"invoke_agent {self.agent.name}",
-                    {
+                    lambda: {  # (made only if traced)
                         "gen_ai.operation.name": "invoke_agent",
                         "gen_ai.agent.name": self.agent.name,
                         "gen_ai.conversation.id": sid,

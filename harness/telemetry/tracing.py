@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -86,7 +86,7 @@ def shutdown() -> None:
 
 def span(
     name: str,
-    attributes: Mapping[str, Any] | None = None,
+    attributes: Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None = None,
     *,
     parent: str = "",
     server: bool = False,
@@ -95,9 +95,12 @@ def span(
     """A span as the current one for the block (None when tracing is off): a child of the
     current span, or of `parent` (a traceparent) when given. An exception leaving the block
     sets `error.type` and the error status, but one of `signals` (a cancel, a hand-over: not
-    failures) and a task's cancellation, which are noted as `keel.stopped`."""
+    failures) and a task's cancellation, which are noted as `keel.stopped`. `attributes` may be
+    a function that makes them: a turn's spans then cost no dict while tracing is off."""
     if _state.tracer is None:
         return _NULL
+    if callable(attributes):
+        attributes = attributes()
     return _started(_state.tracer, name, attributes or {}, parent=parent, server=server, signals=signals)
 
 

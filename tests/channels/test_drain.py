@@ -46,6 +46,7 @@ async def test_a_drain_ends_streams_and_refuses_what_comes_after(serve: Any, red
         keys_before = sorted(await redis.keys("*"))
         r = await c.post("/v1/sessions")
         assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert r.headers["x-request-id"].startswith("req_")  # (a refusal is logged and answered by its id too)
         assert r.json()["error"]["code"] == "draining" and set(r.json()["error"]) == {"code", "message"}
         assert (await c.get("/readyz")).status_code == 503
         assert (await c.get(f"/v1/sessions/{sid}/events")).status_code == 503

@@ -260,6 +260,7 @@ async def test_a_browser_opens_the_frontend_routes_with_a_session_token_from_an_
         pre = {**origin, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"}
         ok = await browser.options("/v1/chat", headers=pre)
         assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "http://app.example"
+        assert ok.headers["x-request-id"].startswith("req_")
         assert "authorization" in ok.headers["access-control-allow-headers"].lower()
         elsewhere = await browser.options("/v1/chat", headers={**pre, "Origin": "http://evil.example"})
         assert elsewhere.status_code == 400 and "access-control-allow-origin" not in elsewhere.headers
@@ -269,6 +270,7 @@ async def test_a_browser_opens_the_frontend_routes_with_a_session_token_from_an_
         for headers in ({}, {"Authorization": f"Bearer {theirs}"}, {"Authorization": "Bearer forged.token"}):
             refused = await browser.post("/v1/chat", json=body, headers={**origin, **headers})
             assert refused.status_code == 401 and refused.json()["error"]["code"] == "unauthorized"
+            assert refused.headers["x-request-id"].startswith("req_")
         assert (await backend.get(f"/v1/sessions/{sid}/history")).json()["items"] == []
         assert (
             await browser.get(f"/v1/chat/{sid}/stream", headers={"Authorization": f"Bearer {theirs}"})

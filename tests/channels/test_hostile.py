@@ -141,6 +141,56 @@ async def test_a_body_in_parts_is_read_whole_and_one_over_the_limit_is_refused_m
     assert refused.value.status == 413
 
 
+async def test_a_stalled_body_is_408_and_a_cancel_from_outside_stays_a_cancel() -> None:
+    """The body's stall timer answers 408 when the body stops coming; a cancel from elsewhere
+    (a shutdown) while the body is read is a cancel, not a 408, and no stall timer is left to
+    cancel the task later."""
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+
+    from channels.errors import ChannelError
+    from channels.http import read_body
+
+    app = Starlette()
+    app.state.max_body = 1_000
+    app.state.body_timeout = 0.05
+    never, waiting = asyncio.Event(), asyncio.Event()
+
+    async def stalls() -> dict[str, Any]:
+        waiting.set()
+        await never.wait()
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    def request() -> Request:
+        return Request({"type": "http", "method": "POST", "path": "/", "headers": [], "app": app}, stalls)
+
+    with pytest.raises(ChannelError) as refused:
+        await read_body(request())
+    assert refused.value.status == 408 and refused.value.code == "body_timeout"
+
+    app.state.body_timeout = 0.2
+    waiting.clear()
+    reading = asyncio.create_task(read_body(request()))
+    await asyncio.wait_for(waiting.wait(), 5)
+    reading.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await reading
+    assert reading.cancelled()
+
+    async def after_a_read() -> bool:
+        parts = [{"type": "http.request", "body": b"{}", "more_body": False}]
+
+        async def receive() -> dict[str, Any]:
+            return parts.pop(0)
+
+        scope = {"type": "http", "method": "POST", "path": "/", "headers": [], "app": app}
+        assert await read_body(Request(scope, receive)) == b"{}"
+        await asyncio.sleep(0.3)  # (past the stall timer's time: it was stopped with the read)
+        return True
+
+    assert await after_a_read()
+
+
 async def test_queued_counts_the_messages_behind_a_paused_turn(serve: Any) -> None:
     live = await serve(echo_agent())
     async with live.client() as c:
