@@ -197,9 +197,15 @@ class ClusterWire:
             if self.replicas is not None:
                 await self._mark(slot, self.replicas, keys, got[1:])
             break
+        tail = got[len(got) - len(riding) :]
+        if len(riding) == len(extra) and not any(isinstance(r, Exception) for r in tail):
+            # (as nearly always: whatever was to go with the script rode with it, and ran)
+            if post:
+                self._post(lazy)
+            return [reply, *tail[: len(also)]]
         if not riding:
             return await self._after(reply, also, lazy, post)
-        rode = dict(zip(riding, got[len(got) - len(riding) :], strict=True))
+        rode = dict(zip(riding, tail, strict=True))
         done = {n: r for n, r in rode.items() if not isinstance(r, Exception)}  # (else: sent again below)
         left_also = [c for n, c in enumerate(also) if n not in done]
         left_lazy = list(lazy) if post else [c for n, c in enumerate(lazy, start=len(also)) if n not in done]
