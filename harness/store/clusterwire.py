@@ -102,7 +102,8 @@ class ClusterWire:
         self._gathered_slots: set[int] = set()  # ... and their slots
         self._gathering: asyncio.TimerHandle | None = None
         self._posted: set[asyncio.Future[list[Any]]] = set()  # lazy writes posted, their replies to come
-        self._lazies: set[asyncio.Task[None]] = set()  # lazy writes that went the long way (`_lazy`)
+        self._lazies: set[asyncio.Task[None]] = set()  # lazy writes that went the long way (`_lazy`) ...
+        self._lazy_slots: dict[int, set[asyncio.Task[None]]] = {}  # ... by their slots, until done
 
     async def close(self) -> None:
         """Close every node's pool once the lazy writes on their way are done (at most
@@ -120,21 +121,28 @@ class ClusterWire:
         for pool in pools.values():
             await pool.close()
 
-    async def call(self, commands: Sequence[Sequence[Any]], *, durable: bool = False) -> list[Any]:
+    async def call(
+        self, commands: Sequence[Sequence[Any]], *, durable: bool = False, ordered: bool = True
+    ) -> list[Any]:
         """Each command on its slot's owner (one write per slot, the slots at once); every reply
         in order, an error reply as the exception in its place (as `Pool.call`). `durable`:
         each slot's commands wait for the replicas (`Replicas`), if the wire has any. Lazy
-        writes gathered in a slot of `commands` go first (a read after a write finds it)."""
+        writes gathered in a slot of `commands` go first, and (`ordered`) those of its slots on
+        their way the long way are waited for: a read or a removal after a write comes after it."""
         if len(commands) == 1:
             slot = slot_of(commands[0])
             if slot in self._gathered_slots:
                 self._post_gathered()
+            if ordered and slot in self._lazy_slots:
+                await asyncio.wait(set(self._lazy_slots[slot]))
             return await self._group(slot, list(commands), durable)
         by_slot: dict[int, list[int]] = {}
         for n, command in enumerate(commands):
             by_slot.setdefault(slot_of(command), []).append(n)
         if self._gathered_slots and not self._gathered_slots.isdisjoint(by_slot):
             self._post_gathered()
+        if ordered and self._lazy_slots and not self._lazy_slots.keys().isdisjoint(by_slot):
+            await asyncio.wait({t for slot in by_slot for t in self._lazy_slots.get(slot, ())})
         replies: list[Any] = [None] * len(commands)
         groups = list(by_slot.items())
         sends = [self._group(slot, [commands[n] for n in idx], durable) for slot, idx in groups]
@@ -281,13 +289,27 @@ class ClusterWire:
             self._lazy_later(refused)
 
     def _lazy_later(self, lazy: Sequence[Sequence[Any]]) -> None:
+        """`lazy` the long way, as a task; until it is done, a call for one of its slots waits
+        for it (`call`'s `ordered`)."""
         task = asyncio.get_running_loop().create_task(self._lazy(lazy))
+        slots = {slot_of(c) for c in lazy}
         self._lazies.add(task)
-        task.add_done_callback(self._lazies.discard)
+        for slot in slots:
+            self._lazy_slots.setdefault(slot, set()).add(task)
+        task.add_done_callback(functools.partial(self._lazy_done, slots))
+
+    def _lazy_done(self, slots: set[int], task: asyncio.Task[None]) -> None:
+        self._lazies.discard(task)
+        for slot in slots:
+            waiting = self._lazy_slots.get(slot)
+            if waiting is not None:
+                waiting.discard(task)
+                if not waiting:
+                    del self._lazy_slots[slot]
 
     async def _lazy(self, lazy: Sequence[Sequence[Any]]) -> None:
         try:
-            raised(await self.call(lazy))
+            raised(await self.call(lazy, ordered=False))  # (two lazy writes need no order: GT, the same expiry)
         except Exception as exc:  # (best effort: a page drops what is gone, the next activity adds it back)
             log.warning("a lazy write after a script failed: %s", exc)
 

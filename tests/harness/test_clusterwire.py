@@ -145,6 +145,23 @@ async def test_a_lazy_write_goes_the_long_way_when_its_node_is_new_or_its_slot_m
     assert await client.zscore(moved, "s1") == 8
 
 
+async def test_a_call_after_a_lazy_write_that_went_the_long_way_comes_after_it(
+    wire: tuple[ClusterWire, RedisCluster],
+) -> None:
+    """A session's move in its list, posted to a node this process had no link to yet, goes the
+    long way (a task that opens the link); a delete's removal from the list right after must not
+    overtake it (the deleted session would be listed again)."""
+    w, client = wire
+    await client.script_load(SOURCE)
+    nodes = [n.name for n in client.get_primaries()]
+    key, fresh = (key_on(client, node, prefix) for node, prefix in zip(nodes, ("s", "a"), strict=False))
+    await w.call([("GET", key)])  # only the script's node has a link yet
+    lazy = [("ZADD", fresh, "GT", 7, "s1")]
+    assert (await w.script_with(SHA, SOURCE, [key], [], [], lazy=lazy, post=True))[0] == 1
+    assert await w.call([("ZREM", fresh, "s1")]) == [1]  # (it found the move: it came after it)
+    assert await client.zscore(fresh, "s1") is None
+
+
 async def test_posted_lazy_writes_are_gathered_into_one_command_a_key_until_a_call_names_it(
     wire: tuple[ClusterWire, RedisCluster], monkeypatch: pytest.MonkeyPatch
 ) -> None:
