@@ -86,8 +86,10 @@ async def read_body(request: Request) -> bytes:
     size = 0
     timeout: float = getattr(state, "body_timeout", 30.0)
     task = asyncio.current_task()
-    assert task is not None
-    stalled: list[bool] = []
+    if task is None:
+        raise RuntimeError("read_body runs in a task")
+    cancelling = task.cancelling()  # (as asyncio.timeout does: cancels asked before this one go on)
+    stalled: list[bool] = []  # the timer fired (and asked for a cancel, to be taken back)
     timer = asyncio.get_running_loop().call_later(timeout, _stall, task, stalled)
     try:
         while True:
@@ -102,11 +104,15 @@ async def read_body(request: Request) -> bytes:
             if not message.get("more_body", False):
                 break
     except asyncio.CancelledError:
-        if stalled and task.uncancel() == 0:  # (the timer's cancel alone: a shutdown's goes on)
-            raise ChannelError(408, "body_timeout", f"the body did not arrive within {timeout:g} s") from None
+        if stalled:
+            stalled.clear()
+            if task.uncancel() <= cancelling:  # (the timer's cancel alone: a shutdown's goes on)
+                raise ChannelError(408, "body_timeout", f"the body did not arrive within {timeout:g} s") from None
         raise
     finally:
         timer.cancel()
+        if stalled:  # (fired, and its cancel came out as something else: taken back all the same)
+            task.uncancel()
     return b"".join(chunks)
 
 

@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from redis.asyncio.cluster import ClusterNode, RedisCluster
@@ -36,6 +36,7 @@ log = logging.getLogger("keel.store")
 REDIRECT_S = 10.0  # how long a call follows redirections and waits out a failover
 POST_WAIT_S = 0.001  # how long lazy writes are gathered before they are posted (`_post`)
 LAZY_CLOSE_S = 1.0  # how long closing waits for the lazy writes still on their way
+LAZY_WAIT_S = 1.0  # how long a call waits for its slots' lazy writes gone the long way (then goes on)
 BACKOFF_S = (0.02, 0.05, 0.1, 0.2, 0.4, 0.5)  # waits between tries that found no owner
 REFUSALS = (MovedError, AskError, TryAgainError, ClusterDownError)  # (followed: see `_refused`)
 # a rider's reply when the script it rode with was refused: it ran first, so it is sent again
@@ -134,28 +135,28 @@ class ClusterWire:
             if slot in self._gathered_slots:
                 self._post_gathered()
             if ordered and slot in self._lazy_slots:
-                await asyncio.wait(set(self._lazy_slots[slot]))
-            return await self._group(slot, list(commands), durable)
+                await self._behind_lazies((slot,))
+            return await self._group(slot, list(commands), durable, ordered)
         by_slot: dict[int, list[int]] = {}
         for n, command in enumerate(commands):
             by_slot.setdefault(slot_of(command), []).append(n)
         if self._gathered_slots and not self._gathered_slots.isdisjoint(by_slot):
             self._post_gathered()
         if ordered and self._lazy_slots and not self._lazy_slots.keys().isdisjoint(by_slot):
-            await asyncio.wait({t for slot in by_slot for t in self._lazy_slots.get(slot, ())})
+            await self._behind_lazies(by_slot)
         replies: list[Any] = [None] * len(commands)
         groups = list(by_slot.items())
-        sends = [self._group(slot, [commands[n] for n in idx], durable) for slot, idx in groups]
+        sends = [self._group(slot, [commands[n] for n in idx], durable, ordered) for slot, idx in groups]
         done = [await sends[0]] if len(sends) == 1 else await asyncio.gather(*sends)
         for (_, idx), got in zip(groups, done, strict=True):
             for n, reply in zip(idx, got, strict=True):
                 replies[n] = reply
         return replies
 
-    async def _group(self, slot: int, commands: list[Sequence[Any]], durable: bool) -> list[Any]:
+    async def _group(self, slot: int, commands: list[Sequence[Any]], durable: bool, ordered: bool) -> list[Any]:
         if not (durable and self.replicas):
-            return await self._on_slot(slot, commands)
-        got = await self._on_slot(slot, [*commands, self.replicas.wait()], unit=True)
+            return await self._on_slot(slot, commands, ordered=ordered)
+        got = await self._on_slot(slot, [*commands, self.replicas.wait()], unit=True, ordered=ordered)
         self.replicas.check(got[-1])
         return got[:-1]
 
@@ -289,23 +290,32 @@ class ClusterWire:
             self._lazy_later(refused)
 
     def _lazy_later(self, lazy: Sequence[Sequence[Any]]) -> None:
-        """`lazy` the long way, as a task; until it is done, a call for one of its slots waits
-        for it (`call`'s `ordered`)."""
-        task = asyncio.get_running_loop().create_task(self._lazy(lazy))
-        slots = {slot_of(c) for c in lazy}
-        self._lazies.add(task)
-        for slot in slots:
+        """`lazy` the long way, a task a slot; until one is done, a call for its slot waits for
+        it (`call`'s `ordered`; at most `LAZY_WAIT_S`)."""
+        by_slot: dict[int, list[Sequence[Any]]] = {}
+        for command in lazy:
+            by_slot.setdefault(slot_of(command), []).append(command)
+        loop = asyncio.get_running_loop()
+        for slot, commands in by_slot.items():
+            task = loop.create_task(self._lazy(commands))
+            self._lazies.add(task)
             self._lazy_slots.setdefault(slot, set()).add(task)
-        task.add_done_callback(functools.partial(self._lazy_done, slots))
+            task.add_done_callback(functools.partial(self._lazy_done, slot))
 
-    def _lazy_done(self, slots: set[int], task: asyncio.Task[None]) -> None:
+    def _lazy_done(self, slot: int, task: asyncio.Task[None]) -> None:
         self._lazies.discard(task)
-        for slot in slots:
-            waiting = self._lazy_slots.get(slot)
-            if waiting is not None:
-                waiting.discard(task)
-                if not waiting:
-                    del self._lazy_slots[slot]
+        waiting = self._lazy_slots.get(slot)
+        if waiting is not None:
+            waiting.discard(task)
+            if not waiting:
+                del self._lazy_slots[slot]
+
+    async def _behind_lazies(self, slots: Iterable[int]) -> None:
+        """Once the lazy writes of `slots` gone the long way are done (or `LAZY_WAIT_S` passed:
+        a node down, say; a page drops what is gone, the next activity adds it back)."""
+        tasks = {task for slot in slots for task in self._lazy_slots.get(slot, ())}
+        if tasks:
+            await asyncio.wait(tasks, timeout=LAZY_WAIT_S)
 
     async def _lazy(self, lazy: Sequence[Sequence[Any]]) -> None:
         try:
@@ -337,7 +347,14 @@ class ClusterWire:
     # ---- one slot ------------------------------------------------------------------------
 
     async def _on_slot(
-        self, slot: int, commands: list[Sequence[Any]], *, routed: bool = True, unit: bool = False, riders: int = 0
+        self,
+        slot: int,
+        commands: list[Sequence[Any]],
+        *,
+        routed: bool = True,
+        unit: bool = False,
+        riders: int = 0,
+        ordered: bool = False,
     ) -> list[Any]:
         """`commands` (all in `slot`) on the slot's owner, redirections followed: a command
         refused with MOVED, ASK, TRYAGAIN or CLUSTERDOWN is sent again (with the others refused;
@@ -345,7 +362,8 @@ class ClusterWire:
         The last `riders` commands are of other slots of the same node: sent with the first
         write only, their replies (refusals too) as they came; if a command of `slot` was
         refused in that write, theirs are BEFORE_SCRIPT (they ran before it: the caller sends
-        them again)."""
+        them again). `ordered`: refused, they go again only after the slot's lazy writes that
+        went the long way meanwhile (a posted one refused just before them, on the same link)."""
         if not self._ready:
             await self.cluster.initialize()
             self._ready = True
@@ -361,6 +379,8 @@ class ClusterWire:
                     break
             else:
                 return first
+        if ordered and slot in self._lazy_slots:
+            await self._behind_lazies((slot,))
         return await self._redirected(slot, commands, first, deadline, routed=routed, unit=unit, riders=riders)
 
     async def _redirected(

@@ -4,6 +4,7 @@ changes nothing."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -189,6 +190,54 @@ async def test_a_stalled_body_is_408_and_a_cancel_from_outside_stays_a_cancel() 
         return True
 
     assert await after_a_read()
+
+
+async def test_a_stall_s_cancel_is_counted_as_asyncio_timeout_counts_it() -> None:
+    """A cancel the task caught before (still counted) does not turn a stall's 408 into a
+    cancel; a stall's cancel that the receive ended its own way is taken back all the same (one
+    left counted would cut the task's next timeout short)."""
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+
+    from channels.errors import ChannelError
+    from channels.http import read_body
+
+    app = Starlette()
+    app.state.max_body = 1_000
+    app.state.body_timeout = 0.05
+    never = asyncio.Event()
+    scope = {"type": "http", "method": "POST", "path": "/", "headers": [], "app": app}
+
+    async def stalls() -> dict[str, Any]:
+        await never.wait()
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def turned_into_a_disconnect() -> dict[str, Any]:
+        with contextlib.suppress(asyncio.CancelledError):
+            await never.wait()
+        return {"type": "http.disconnect"}
+
+    async def stalls_after_a_cancel_it_caught() -> int:
+        task = asyncio.current_task()
+        assert task is not None
+        task.cancel()  # (caught below and not taken back: it stays counted)
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.sleep(1)
+        with pytest.raises(ChannelError) as refused:
+            await read_body(Request(scope, stalls))
+        assert refused.value.status == 408
+        return task.cancelling()
+
+    async def reads_through_a_receive_that_ends_the_cancel() -> int:
+        with pytest.raises(ChannelError) as ended:
+            await read_body(Request(scope, turned_into_a_disconnect))
+        assert ended.value.code == "incomplete_body"
+        task = asyncio.current_task()
+        assert task is not None
+        return task.cancelling()
+
+    assert await asyncio.create_task(stalls_after_a_cancel_it_caught()) == 1
+    assert await asyncio.create_task(reads_through_a_receive_that_ends_the_cancel()) == 0
 
 
 async def test_queued_counts_the_messages_behind_a_paused_turn(serve: Any) -> None:

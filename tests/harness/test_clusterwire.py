@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from redis.asyncio.cluster import RedisCluster
@@ -160,6 +160,55 @@ async def test_a_call_after_a_lazy_write_that_went_the_long_way_comes_after_it(
     assert (await w.script_with(SHA, SOURCE, [key], [], [], lazy=lazy, post=True))[0] == 1
     assert await w.call([("ZREM", fresh, "s1")]) == [1]  # (it found the move: it came after it)
     assert await client.zscore(fresh, "s1") is None
+
+
+async def test_a_call_after_a_posted_lazy_write_refused_as_moved_comes_after_it(
+    wire: tuple[ClusterWire, RedisCluster],
+) -> None:
+    """The slot map is stale: the posted move and the removal right after it are both refused
+    (MOVED) on the same link; the move goes the long way, and the removal goes again only
+    after it."""
+    w, client = wire
+    await client.script_load(SOURCE)
+    nodes = [n.name for n in client.get_primaries()]
+    key, moved = key_on(client, nodes[0], "s"), key_on(client, nodes[1], "b")
+    await w.call([("GET", key), ("GET", moved)])  # (both links open)
+    cache = client.nodes_manager.slots_cache
+    cache[key_slot(moved.encode())] = list(cache[key_slot(key.encode())])  # (its slot "on" the script's node)
+    lazy = [("ZADD", moved, "GT", 8, "s1")]
+    assert (await w.script_with(SHA, SOURCE, [key], [], [], lazy=lazy, post=True))[0] == 1
+    assert await w.call([("ZREM", moved, "s1")]) == [1]
+    assert await client.zscore(moved, "s1") is None
+
+
+async def test_a_call_waits_for_its_own_slots_lazy_writes_only_and_not_for_long(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Lazy writes gone the long way are one task a slot: a call for one slot does not wait for
+    another slot's (its node failing over, say), and waits for its own at most LAZY_WAIT_S."""
+    w = ClusterWire(cast(RedisCluster, None))
+    a, b = ("ZADD", "owner:{a}", "GT", 1, "s"), ("ZADD", "owner:{b}", "GT", 1, "s")
+    held, sent = asyncio.Event(), []
+
+    async def group(slot: int, commands: list[Any], durable: bool, ordered: bool) -> list[Any]:
+        if commands[0] == b:  # (b's node failing over)
+            await held.wait()
+        sent.append(commands[0])
+        return [1] * len(commands)
+
+    monkeypatch.setattr(w, "_group", group)
+    monkeypatch.setattr(clusterwire, "LAZY_WAIT_S", 30.0)
+    w._lazy_later([a, b])  # (as `_post_gathered` does when no node owns a slot just now)
+    async with asyncio.timeout(5):
+        await w.call([("ZSCORE", "owner:{a}", "s")])
+    assert sent == [a, ("ZSCORE", "owner:{a}", "s")]  # after a's write, not held by b's
+    monkeypatch.setattr(clusterwire, "LAZY_WAIT_S", 0.05)
+    async with asyncio.timeout(5):
+        await w.call([("ZSCORE", "owner:{b}", "s")])
+    assert sent[-1] == ("ZSCORE", "owner:{b}", "s") and b not in sent  # went on, b's write still held
+    held.set()
+    await w.close()
+    assert b in sent
 
 
 async def test_posted_lazy_writes_are_gathered_into_one_command_a_key_until_a_call_names_it(
