@@ -1,4 +1,4 @@
-"""API-key authentication, checked by the front door (`channels.front`).
+"""API-key authentication: the front door's last step (`channels.front`).
 
 With keys configured, every `/v1` request needs `Authorization: Bearer <key>` (a frontend
 protocol's route takes a session's token there too, checked by its handler); the caller's
@@ -29,10 +29,14 @@ def owner_of(key: str) -> str:
     return hashlib.sha256(b"keel-owner:" + key.encode()).hexdigest()[:32]
 
 
-class ApiKeys:
-    """The configured keys, and who a request is by them."""
+class ApiKeyAuth:
+    """The keys as pure ASGI middleware (no BaseHTTPMiddleware: it breaks contextvars): the
+    front door's last step (`channels.front`), and the metrics port's app on its own."""
 
-    def __init__(self, keys: Iterable[str], open_paths: Iterable[str] = (), guarded: Iterable[str] = ()) -> None:
+    def __init__(
+        self, app: ASGIApp, keys: Iterable[str], open_paths: Iterable[str] = (), guarded: Iterable[str] = ()
+    ) -> None:
+        self.app = app
         self._guarded = frozenset(guarded)  # paths outside /v1 that need a key too (/metrics)
         self._digests = [hashlib.sha256(k.encode()).digest() for k in keys if k]
         self._open = frozenset(open_paths)  # webhook routes: the provider's signature is their credential
@@ -51,9 +55,15 @@ class ApiKeys:
             found |= hmac.compare_digest(d, digest)
         return owner_of(given.decode("utf-8", "replace")) if found else None
 
-    def admit(self, scope: Scope) -> bool:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] in ("http", "websocket") and not self._admit(scope):
+            await _refuse(send)
+            return
+        await self.app(scope, receive, send)
+
+    def _admit(self, scope: Scope) -> bool:
         """Whether the request (or websocket) may go on to its route: its owner, or a session
-        token to check, put in its state; False: answer `refuse`."""
+        token to check, put in its state."""
         path = scope.get("path", "")
         if not (protected(path) or path in self._guarded) or path in self._open:
             return True
@@ -78,7 +88,7 @@ class ApiKeys:
         return True
 
 
-async def refuse(send: Send) -> None:
+async def _refuse(send: Send) -> None:
     """401 `unauthorized`: no key, or a wrong one."""
     body = error_body("unauthorized", "missing or wrong API key (Authorization: Bearer <key>)")
     await send(
@@ -93,17 +103,3 @@ async def refuse(send: Send) -> None:
         }
     )
     await send({"type": "http.response.body", "body": body})
-
-
-class ApiKeyAuth:
-    """The keys alone as ASGI middleware: the metrics port's app, which has no front door."""
-
-    def __init__(self, app: ASGIApp, keys: Iterable[str], guarded: Iterable[str] = ()) -> None:
-        self.app = app
-        self.keys = ApiKeys(keys, guarded=guarded)
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] in ("http", "websocket") and not self.keys.admit(scope):
-            await refuse(send)
-            return
-        await self.app(scope, receive, send)

@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 import functools
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from redis.asyncio.cluster import ClusterNode, RedisCluster
@@ -129,21 +129,18 @@ class ClusterWire:
         in order, an error reply as the exception in its place (as `Pool.call`). `durable`:
         each slot's commands wait for the replicas (`Replicas`), if the wire has any. Lazy
         writes gathered in a slot of `commands` go first, and (`ordered`) those of its slots on
-        their way the long way are waited for: a read or a removal after a write comes after it."""
+        their way the long way are waited for (`_on_slot`): a read or a removal after a write
+        comes after it."""
         if len(commands) == 1:
             slot = slot_of(commands[0])
             if slot in self._gathered_slots:
                 self._post_gathered()
-            if ordered and slot in self._lazy_slots:
-                await self._behind_lazies((slot,))
             return await self._group(slot, list(commands), durable, ordered)
         by_slot: dict[int, list[int]] = {}
         for n, command in enumerate(commands):
             by_slot.setdefault(slot_of(command), []).append(n)
         if self._gathered_slots and not self._gathered_slots.isdisjoint(by_slot):
             self._post_gathered()
-        if ordered and self._lazy_slots and not self._lazy_slots.keys().isdisjoint(by_slot):
-            await self._behind_lazies(by_slot)
         replies: list[Any] = [None] * len(commands)
         groups = list(by_slot.items())
         sends = [self._group(slot, [commands[n] for n in idx], durable, ordered) for slot, idx in groups]
@@ -310,12 +307,10 @@ class ClusterWire:
             if not waiting:
                 del self._lazy_slots[slot]
 
-    async def _behind_lazies(self, slots: Iterable[int]) -> None:
-        """Once the lazy writes of `slots` gone the long way are done (or `LAZY_WAIT_S` passed:
-        a node down, say; a page drops what is gone, the next activity adds it back)."""
-        tasks = {task for slot in slots for task in self._lazy_slots.get(slot, ())}
-        if tasks:
-            await asyncio.wait(tasks, timeout=LAZY_WAIT_S)
+    async def _behind_lazies(self, slot: int) -> None:
+        """Once the slot's lazy writes gone the long way (it has some) are done, or `LAZY_WAIT_S`
+        passed (a node down, say; a page drops what is gone, the next activity adds it back)."""
+        await asyncio.wait(set(self._lazy_slots[slot]), timeout=LAZY_WAIT_S)
 
     async def _lazy(self, lazy: Sequence[Sequence[Any]]) -> None:
         try:
@@ -362,11 +357,14 @@ class ClusterWire:
         The last `riders` commands are of other slots of the same node: sent with the first
         write only, their replies (refusals too) as they came; if a command of `slot` was
         refused in that write, theirs are BEFORE_SCRIPT (they ran before it: the caller sends
-        them again). `ordered`: refused, they go again only after the slot's lazy writes that
-        went the long way meanwhile (a posted one refused just before them, on the same link)."""
+        them again). `ordered`: they go, and refused go again, only after the slot's lazy writes
+        on their way the long way (a posted one refused just before them, on the same link, goes
+        that way meanwhile)."""
         if not self._ready:
             await self.cluster.initialize()
             self._ready = True
+        if ordered and slot in self._lazy_slots:
+            await self._behind_lazies(slot)
         deadline = asyncio.get_running_loop().time() + REDIRECT_S
         first: list[Any] | NotSent
         try:  # (as nearly always: the slot's owner takes every command, and that is all)
@@ -380,7 +378,7 @@ class ClusterWire:
             else:
                 return first
         if ordered and slot in self._lazy_slots:
-            await self._behind_lazies((slot,))
+            await self._behind_lazies(slot)
         return await self._redirected(slot, commands, first, deadline, routed=routed, unit=unit, riders=riders)
 
     async def _redirected(

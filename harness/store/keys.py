@@ -5,7 +5,7 @@ atomic operation on a session touches one cluster slot."""
 
 from __future__ import annotations
 
-from functools import cache
+from functools import cache, lru_cache
 
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
@@ -37,6 +37,7 @@ def job_streams(shards: int) -> tuple[str, ...]:
     return tuple(streams)
 
 
+@lru_cache(maxsize=50_000)  # (a slot's CRC16 twice a turn, for the sessions used lately)
 def job_shard(sid: str, shards: int) -> int:
     """The shard of a session's jobs: always the same one, so that its jobs' ids compare; the one
     whose part of the slot range (`job_streams`) holds the session's slot, so that on a cluster

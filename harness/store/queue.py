@@ -31,7 +31,6 @@ log = logging.getLogger("keel.runner")
 CLUSTER_SHARDS = 8  # job streams on a cluster by default: spread over up to 8 primaries
 ACK_BATCH = 256  # acknowledge at once when this many jobs wait ...
 ACK_DELAY_S = 0.05  # ... else after this long, together
-SHARDS_MEMO = 50_000  # sessions whose job queue `JobShards.of` remembers
 
 
 class JobId(NamedTuple):
@@ -173,17 +172,9 @@ class JobShards:
         ]
         self._acks: list[JobId] = []  # done soon, together
         self._acking: asyncio.Task[None] | None = None
-        self._shard_of: dict[str, JobQueue] = {}  # the sessions used lately: their queue (a slot's CRC each)
 
     def of(self, sid: str) -> JobQueue:
-        if len(self.queues) == 1:
-            return self.queues[0]
-        queue = self._shard_of.get(sid)
-        if queue is None:
-            if len(self._shard_of) >= SHARDS_MEMO:
-                self._shard_of.clear()
-            queue = self._shard_of[sid] = self.queues[job_shard(sid, len(self.queues))]
-        return queue
+        return self.queues[job_shard(sid, len(self.queues))]
 
     def job(self, sid: str) -> tuple[str, ...]:
         """The command that adds the job for `sid` (sent with the write it goes with); `added`

@@ -190,13 +190,16 @@ async def test_a_call_waits_for_its_own_slots_lazy_writes_only_and_not_for_long(
     a, b = ("ZADD", "owner:{a}", "GT", 1, "s"), ("ZADD", "owner:{b}", "GT", 1, "s")
     held, sent = asyncio.Event(), []
 
-    async def group(slot: int, commands: list[Any], durable: bool, ordered: bool) -> list[Any]:
-        if commands[0] == b:  # (b's node failing over)
-            await held.wait()
-        sent.append(commands[0])
-        return [1] * len(commands)
+    class Node:  # (every slot's, as far as the wire can tell)
+        async def call(self, commands: list[Any]) -> list[Any]:
+            if commands[0] == b:  # (b's node failing over)
+                await held.wait()
+            sent.append(commands[0])
+            return [1] * len(commands)
 
-    monkeypatch.setattr(w, "_group", group)
+    w._ready = True
+    monkeypatch.setattr(w, "_owner", lambda slot: None)
+    monkeypatch.setattr(w, "_pool", lambda node: Node())
     monkeypatch.setattr(clusterwire, "LAZY_WAIT_S", 30.0)
     w._lazy_later([a, b])  # (as `_post_gathered` does when no node owns a slot just now)
     async with asyncio.timeout(5):
