@@ -38,26 +38,24 @@ delivery relay's and the rate limiter's in `lua_relay`.
 from __future__ import annotations
 
 # Shared helpers, put in front of the scripts that use them.
-# The session's meta as this script knows it: each field read once (`mneed` reads those it will
-# want in one HMGET; `mget` one it did not name), changed here (`mset`, `mincr`; a field set to
-# false is removed) and written back in one HSET (and an HDEL) by `mflush` as the script answers
-# (a session the script made, before anything reads the key's expiry: `mmade`). A script runs
-# alone: what it read cannot change under it, so this is a command a field, in fewer commands.
+# The session's meta as this script knows it: each field read once (`meta_reads` below reads those
+# a script will want, first, in one HMGET; `mget` one it did not name), changed here (`mset`,
+# `mincr`; a field set to false is removed) and written back in one HSET (and an HDEL) by `mflush`
+# as the script answers (a session the script made, before anything reads the key's expiry:
+# `mmade`). A script runs alone: what it read cannot change under it, so this is a command a
+# field, in fewer commands.
 # `reply`: the script's answer. `owns`: whether the session exists and belongs to `owner` (an
 # unknown session and another owner's look the same: 'missing'). `pairs_of`: a flat
 # HGETALL-style list as [key, value] pairs, in its order (a Lua table as a map loses the order).
 _COMMON = """
 local MC, MD = {}, {}
-local function mneed(...)
-  local want = {}
-  for _, f in ipairs({...}) do if MC[f] == nil then want[#want + 1] = f end end
-  if #want == 0 then return end
-  local got = redis.call('HMGET', K.meta, unpack(want))
-  for i, f in ipairs(want) do MC[f] = got[i] end
-end
 local function mget(f)
-  if MC[f] == nil then mneed(f) end
-  return MC[f]
+  local v = MC[f]
+  if v == nil then
+    v = redis.call('HGET', K.meta, f)
+    MC[f] = v
+  end
+  return v
 end
 local function mset(f, v)  -- (a field set to what it holds is not written: an integer as the string read)
   local was = MC[f]
@@ -123,6 +121,18 @@ local function remembered(mid)  -- a message id kept for the idempotency window 
   if ms and ms > 0 then redis.call('HPEXPIRE', K.mids, ms, 'FIELDS', 1, mid) end
 end
 """
+
+
+def meta_reads(fields: str) -> str:
+    """Lua that reads `fields` (names, space-separated) of the meta into the script's copy (`MC`,
+    still empty) in one HMGET: a script's first read, of all the fields it will want. A table
+    constructor, so that the table is sized once (the same read by a loop over the names, a table
+    growing field by field, took about 4 us more in Valkey for 20 fields)."""
+    names = fields.split()
+    made = ", ".join(f"{f} = g[{n}]" for n, f in enumerate(names, start=1))
+    listed = ", ".join(f"'{f}'" for f in names)
+    return f"do\n  local g = redis.call('HMGET', K.meta, {listed})\n  MC = {{{made}}}\nend\n"
+
 
 # `emit` appends one event; `first_seq` is the seq of the first event this script emitted (the
 # ones after it are consecutive), returned so the caller can build the envelopes it committed.
@@ -275,8 +285,8 @@ RESPOND = (
     _COMMON
     + _EMIT
     + _KEEP
+    + meta_reads("owner cancel waiting_on undecided status seq")
     + """
-mneed('owner', 'cancel', 'waiting_on', 'undecided', 'status', 'seq')
 if not owns(A.owner) then return reply({tag = 'missing'}) end
 local request = redis.call('HGET', K.pending, A.request_id)
 if not request then return reply({tag = 'unknown'}) end

@@ -7,7 +7,7 @@ its shared helpers; `lua`'s docstring describes the meta fields and the events' 
 
 from __future__ import annotations
 
-from harness.store.lua import _COMMON, _CREATE, _EMIT, _KEEP
+from harness.store.lua import _COMMON, _CREATE, _EMIT, _KEEP, meta_reads
 
 # A model attempt's tokens: counters, the provider's last report with keel's estimate of the
 # same request (turn calls only, for compaction's threshold), and its usage.recorded.
@@ -50,38 +50,31 @@ end
 
 _BEGIN_TURN = """
 local function begin_turn(B, known_head)  -- (SUBMIT knows the head, and that the lease is free)
-  local names = {'owner', 'cancel', 'status', 'undecided', 'turn', 'hist_start', 'turn_start', 'waiting_on',
-    'last_in', 'last_est', 'held', 'created_at', 'hist_base'}
-  mneed(unpack(names))
-  mneed('fence', 'seq', 'u_calls', 'ob_due', 'announced')
-  local meta = {}
-  for i, f in ipairs(names) do meta[i] = MC[f] end
-  if not meta[1] then return {tag = 'missing'} end
+  if not mget('owner') then return {tag = 'missing'} end
   local head = known_head or redis.call('LINDEX', K.inbox, 0)
   if not head then return {tag = 'empty'} end
   local m = cjson.decode(head)
-  local cancel = meta[2] == m.turn_id
-  if meta[3] == 'waiting' and not cancel and tonumber(meta[4] or 0) > 0 then
+  local cancel = mget('cancel') == m.turn_id
+  if mget('status') == 'waiting' and not cancel and tonumber(mget('undecided') or 0) > 0 then
     return {tag = 'waiting'}
   end
   local holder = not known_head and redis.call('GET', K.lease)
   if holder and holder ~= B.fence then return {tag = 'busy', retry_ms = redis.call('PTTL', K.lease)} end
+  -- (the turn as it stood: changed below)
+  local turn, turn_start, waiting_on = mget('turn'), tonumber(mget('turn_start')), mget('waiting_on') or ''
   local fence = mincr('fence', 1)
   redis.call('SET', K.lease, fence, 'PX', B.lease_ms)
   -- the turn in progress was held by a runner that never paused or ended it: its lease lapsed
   local out = {tag = 'ok', fence = fence, head = head, cancel = cancel,
-    took_over = meta[5] == m.turn_id and meta[11] == '1'}
+    took_over = turn == m.turn_id and mget('held') == '1'}
   local kind = m.kind or 'message'
-  local base = tonumber(meta[13] or 0)  -- (items dropped from the list's head: indexes count them)
+  local base = tonumber(mget('hist_base') or 0)  -- (items dropped from the list's head: indexes count them)
   local length = redis.call('LLEN', K.history) + base
-  local turn_start = tonumber(meta[7])
-  local waiting_on = meta[8] or ''
-  if meta[5] ~= m.turn_id then
+  if turn ~= m.turn_id then
     if kind == 'message' then apply_sticky(m.sticky) end
     turn_start, waiting_on = length, ''
-    local turn = {turn = m.turn_id, turn_start = turn_start, status = 'running', waiting_on = '', undecided = 0,
-      held = 1, announced = false}
-    msets(turn)
+    msets({turn = m.turn_id, turn_start = turn_start, status = 'running', waiting_on = '', undecided = 0, held = 1,
+      announced = false})
     local started = nil
     if kind == 'message' then
       started = {EV.TurnStarted, '{"message_id":' .. cjson.encode(m.message_id) .. '}'}
@@ -99,9 +92,10 @@ local function begin_turn(B, known_head)  -- (SUBMIT knows the head, and that th
     mset('held', 1)
     out.announced = mget('announced') or ''  -- (a resumed paused step's call, announced: not again)
   end
-  local start = tonumber(meta[6])
+  local start = tonumber(mget('hist_start'))
   local from = start
-  if B.have_start == start and B.have_epoch == meta[12] and start + B.have_len <= length then
+  local epoch = mget('created_at')
+  if B.have_start == start and B.have_epoch == epoch and start + B.have_len <= length then
     from = start + B.have_len
   end
   local decisions = {}
@@ -115,15 +109,21 @@ local function begin_turn(B, known_head)  -- (SUBMIT knows the head, and that th
   out.items = redis.call('LRANGE', K.history, from - base, -1)
   out.sticky = pairs_of(redis.call('HGETALL', K.sticky))
   out.decisions = pairs_of(decisions)
-  out.last_in = tonumber(meta[9]) or 0
-  out.last_est = tonumber(meta[10]) or 0
-  out.epoch = meta[12] or ''
-  out.owner = meta[1]
+  out.last_in = tonumber(mget('last_in')) or 0
+  out.last_est = tonumber(mget('last_est')) or 0
+  out.epoch = epoch or ''
+  out.owner = mget('owner')
   return out
 end
 """
 
-BEGIN = _COMMON + _EMIT + _KEEP + _STICKY + _BEGIN_TURN + "return reply(begin_turn(A))\n"
+# The meta's fields a turn's beginning reads (BEGIN's, and SUBMIT's with its own).
+_BEGIN_FIELDS = (
+    "owner cancel status undecided turn hist_start turn_start waiting_on last_in last_est held created_at hist_base"
+    " fence seq u_calls ob_due announced"
+)
+
+BEGIN = _COMMON + _EMIT + _KEEP + _STICKY + _BEGIN_TURN + meta_reads(_BEGIN_FIELDS) + "return reply(begin_turn(A))\n"
 
 # Records a message (idempotent on its message_id) with its message.received event. With
 # `A.begin` (a process that runs turns, and runs none of this session's now), a message that
@@ -138,11 +138,9 @@ SUBMIT = (
     + _CREATE
     + _STICKY
     + _BEGIN_TURN
+    + meta_reads(_BEGIN_FIELDS + " title interrupts")
     + """
 local created = nil
-mneed('owner', 'turn', 'status', 'title', 'seq', 'interrupts', 'cancel', 'undecided', 'hist_start', 'turn_start',
-  'waiting_on', 'last_in', 'last_est', 'held', 'created_at', 'hist_base', 'fence', 'u_calls',
-  'ob_due', 'announced')  -- (begin's too)
 if A.create and not mget('owner') then created = create_session(A.create) end
 if not owns(A.owner) then return reply({tag = 'missing'}) end
 local prev = redis.call('HGET', K.mids, A.message_id)
@@ -231,9 +229,12 @@ COMMIT = (
     + _KEEP
     + _USAGE
     + _STICKY
+    # (with those a turn's end sets: unchanged ones are not written)
+    + meta_reads(
+        "owner turn cancel seq u_in u_out u_cached u_calls hist_base interrupts ob_due status held waiting_on undecided"
+        " announced"
+    )
     + """
-mneed('owner', 'turn', 'cancel', 'seq', 'u_in', 'u_out', 'u_cached', 'u_calls', 'hist_base', 'interrupts', 'ob_due',
-  'status', 'held', 'waiting_on', 'undecided', 'announced')  -- (those a turn's end sets: unchanged ones not written)
 if not mget('owner') then return reply({tag = 'stale'}) end
 local ids = {}
 if A.usage then ids[1] = record_usage(A.retention, A.usage) end
@@ -364,8 +365,8 @@ USAGE = (
     _COMMON
     + _EMIT
     + _USAGE
+    + meta_reads("owner seq u_in u_out u_cached")
     + """
-mneed('owner', 'seq', 'u_in', 'u_out', 'u_cached')
 if not mget('owner') then return reply({tag = 'stale'}) end
 return reply({tag = 'ok', id = record_usage(A.retention, A.usage), seq = first_seq})
 """
