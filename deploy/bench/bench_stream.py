@@ -1,7 +1,7 @@
 """Streaming benchmark: keel's added latency from a model's text delta to an SSE and a websocket
 client, beside the same stream proxied by a bare Starlette endpoint.
 
-    python deploy/bench/bench_stream.py [--turns 20] [--warmup 2] [--deadline 600]
+    python deploy/bench/bench_stream.py [--turns 20] [--warmup 2] [--deadline 600] [--pace-ms 0]
 
 One run starts a private Valkey, a local Anthropic Messages API provider (this file,
 --serve-provider), keel (`python -m app`, the demo agent on KEEL_MODEL=anthropic:bench with
@@ -14,7 +14,9 @@ pause), 40 characters each (~1,000 tokens in all). A delta's text begins with th
 send time, `time.time_ns()` as 19 digits, and its index (3 digits), so the client computes the
 latency of each delta as its receive time minus that stamp (one machine, one CLOCK_REALTIME).
 The provider sends the 100 deltas in a burst: the last ones also wait behind the earlier ones,
-so p99 shows the server's throughput on a burst as much as its per-delta path.
+so p99 shows the server's throughput on a burst as much as its per-delta path. With --pace-ms
+the provider waits that long before each delta after the first, as a model streams at its pace
+(then each delta is a flush of its own, and what a delta costs alone shows).
 
 The frontend protocols run the same turns: keel-aisdk POSTs the message to /v1/chat and reads
 the AI SDK UI message stream it answers (to `[DONE]`), keel-agui POSTs a RunAgentInput to
@@ -102,9 +104,9 @@ def _sse(name: str, data: dict[str, Any]) -> bytes:
     return f"event: {name}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
 
 
-def provider_app() -> Starlette:
+def provider_app(pace_s: float = 0.0) -> Starlette:
     """POST /v1/messages: Anthropic's Messages streaming protocol, one text block of DELTAS
-    text_delta events at full speed, each stamped with its send time."""
+    text_delta events at full speed (or `pace_s` apart), each stamped with its send time."""
     message: dict[str, Any] = {
         "id": "msg_bench",
         "type": "message",
@@ -137,6 +139,8 @@ def provider_app() -> Starlette:
     async def stream() -> AsyncIterator[bytes]:
         yield head
         for i in range(DELTAS):
+            if pace_s and i:
+                await asyncio.sleep(pace_s)  # (a model's pace)
             yield before + b"%019d %03d " % (time.time_ns(), i) + after
         yield tail
 
@@ -652,7 +656,8 @@ def report(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> dict
     print(
         f"\n{args.warmup} warm-up + {args.turns} timed turns per variant, one client at a time, a connection per turn"
     )
-    print(f"provider: {DELTAS} text deltas of {DELTA_CHARS} chars (~{TOKENS:,} tokens) per turn, at full speed")
+    pace = f"{args.pace_ms:g} ms apart" if args.pace_ms else "at full speed"
+    print(f"provider: {DELTAS} text deltas of {DELTA_CHARS} chars (~{TOKENS:,} tokens) per turn, {pace}")
     print("latency: provider send stamp -> client receipt, per delta; CPU: per delta delivered, timed turns\n")
     cols = (
         "variant",
@@ -715,7 +720,13 @@ def report(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> dict
                 f" {r['deltas_out_of_order']} out of order; {'; '.join(r['problems'])}"
             )
     out = {
-        "config": {"turns": args.turns, "warmup": args.warmup, "deltas_per_turn": DELTAS, "delta_chars": DELTA_CHARS},
+        "config": {
+            "turns": args.turns,
+            "warmup": args.warmup,
+            "deltas_per_turn": DELTAS,
+            "delta_chars": DELTA_CHARS,
+            "pace_ms": args.pace_ms,
+        },
         "results": results,
         "ratio_keel_over_bare": ratios,
         "added_ms_keel_minus_bare": added,
@@ -733,6 +744,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--turns", type=positive, default=20, help="timed turns per variant (default 20)")
     ap.add_argument("--warmup", type=int, default=2, help="warm-up turns per variant, not counted (default 2)")
     ap.add_argument("--deadline", type=float, default=600.0, help="global time budget in seconds (default 600)")
+    ap.add_argument("--pace-ms", type=float, default=0.0, help="the provider's pause before each delta (default 0)")
     ap.add_argument("--serve-provider", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--serve-bare", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
@@ -740,6 +752,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.turns > 10_000 or not 0 <= args.warmup <= 1_000:
         ap.error("keep --turns <= 10000 and 0 <= --warmup <= 1000")
+    if not 0 <= args.pace_ms <= 1_000:
+        ap.error("keep 0 <= --pace-ms <= 1000")
     return args
 
 
@@ -756,7 +770,9 @@ def run(args: argparse.Namespace) -> int:
         keel = Server("keel", free_port(), tmp / "keel.log")
         bare = Server("bare", free_port(), tmp / "bare.log")
         servers = [provider, keel, bare]
-        provider.start([*me, "--serve-provider", "--port", str(provider.port)], server_env({}))
+        provider.start(
+            [*me, "--serve-provider", "--port", str(provider.port), "--pace-ms", str(args.pace_ms)], server_env({})
+        )
         keel_env = {"REDIS_URL": f"redis://{HOST}:{valkey_port}", "KEEL_HOST": HOST, "KEEL_PORT": str(keel.port)}
         keel_env |= {
             "KEEL_DATA_DIR": str(tmp / "keel"),
@@ -798,7 +814,7 @@ def main() -> int:
         if args.port is None or (args.serve_bare and args.provider_port is None):
             print("--serve-provider needs --port; --serve-bare needs --port and --provider-port", file=sys.stderr)
             return 2
-        serve(provider_app() if args.serve_provider else bare_app(args.provider_port), args.port)
+        serve(provider_app(args.pace_ms / 1000) if args.serve_provider else bare_app(args.provider_port), args.port)
         return 0
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGHUP, on_signal)

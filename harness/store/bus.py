@@ -10,9 +10,12 @@ a process with readers of a session names itself in the session's `readers` (for
 renewed while it has them; named once its subscription is confirmed, before its readers read),
 and a script publishes only if a process other than the writer is named there. A process's own
 readers get its commits from the hub, never back from Redis. Live events (`send`, batched:
-a burst of deltas is one message per session) are best-effort by design (the committed
-`message.completed` is the truth): one lost while Redis is away, or before a subscription is in
-place, is not resent. A process skips the live events it published itself (each message names
+a burst of deltas is one message per session) go out by the same rule: only while another
+process is named in the session's `readers`, as a look at it (in a flush's round trip, at most
+every LIVE_LOOK_S while the session streams) last found; until the first look, they go. They
+are best-effort by design (the committed `message.completed` is the truth): one lost while
+Redis is away, before a subscription is in place, or before the next look finds a process that
+was named since, is not resent. A process skips the live events it published itself (each message names
 its origin). A subscription confirmed again after a gap (a lost connection, a slot that moved)
 tells the hub to have the session's readers read what they may have missed. A cancel notice
 (`cancel`) only hurries the process running the turn: the cancel itself is committed first, and
@@ -45,6 +48,9 @@ FLUSH_WAIT_S = 1.0  # a commit waits at most this long for its deltas to be publ
 READERS_TTL_S = 60.0  # a process is named as a session's reader for this long ...
 READERS_RENEW_S = 20.0  # ... renewed this often while it has readers of the session
 ENDED = b"!ended"  # a line on a session's channel: the session was deleted (no event envelope starts so)
+LIVE_LOOK_S = 0.5  # what a look at a session's `readers` found stands this long for its live events
+LOOKS_MAX = 10_000  # sessions whose last look is remembered (a bounded memo: forgotten ones are looked at again)
+_LOOK = ""  # (not a channel: a session to look at, queued with the live events)
 
 
 class Bus:
@@ -73,6 +79,8 @@ class Bus:
         self._next: asyncio.Future[None] | None = None  # done when the batch being gathered is sent
         self._sending: asyncio.Future[None] | None = None  # ... the batch being sent
         self._readers: dict[str, int] = {}  # session -> readers here
+        self._listened: dict[str, tuple[bool, float]] = {}  # session -> (read elsewhere, looked at: loop time)
+        self._looking: set[str] = set()  # sessions with a look queued or in flight
         self._sub = ShardSubscriber(redis, self._heard, self._again, self._wanted, left=self._left)
         self._started = False
         self._tasks: set[asyncio.Task[None]] = set()
@@ -92,7 +100,15 @@ class Bus:
     # ---- out ---------------------------------------------------------------------------
 
     def send(self, sid: str, event: LiveEvent) -> None:
-        self._queue(SessionKeys(sid).live, event.raw)
+        """A live event of a turn this process runs, for the session's readers in other processes:
+        sent only if the last look found one (or none was made yet). A look older than
+        LIVE_LOOK_S is made again, in the next flush."""
+        known = self._listened.get(sid)
+        if known is None or known[0]:
+            self._queue(SessionKeys(sid).live, event.raw)
+        if sid not in self._looking and (known is None or asyncio.get_running_loop().time() - known[1] >= LIVE_LOOK_S):
+            self._looking.add(sid)
+            self._queue(_LOOK, sid.encode())
 
     def cancel(self, sid: str, turn_id: str) -> None:
         """Tell every process that the turn is to be cancelled (the one running it stops its
@@ -141,17 +157,35 @@ class Bus:
         envelope has no raw newline); every cancel notice on its own. SPUBLISH: the message
         goes to the subscribers on the channel's slot's node only."""
         lines: dict[str, list[bytes]] = {}
-        commands: list[tuple[str, str, bytes]] = []
+        looks: list[str] = []  # (their HGETALLs first, in this order)
+        commands: list[tuple[str, ...] | tuple[str, str, bytes]] = []
         for channel, data in batch:
-            if channel == CANCELS:
+            if channel == _LOOK:
+                looks.append(data.decode())
+            elif channel == CANCELS:
                 commands.append(("SPUBLISH", channel, self._origin + b" " + data))
             else:
                 lines.setdefault(channel, []).append(data)
         for channel, events in lines.items():
             commands.append(("SPUBLISH", channel, self._origin + b" " + b"\n".join(events)))
-        for reply in await self._wire.call(commands):
+        try:
+            replies = await self._wire.call([*(("HGETALL", SessionKeys(sid).readers) for sid in looks), *commands])
+        finally:
+            self._looking.difference_update(looks)
+        at = asyncio.get_running_loop().time()
+        if len(self._listened) + len(looks) > LOOKS_MAX:
+            self._listened.clear()
+        for sid, found in zip(looks, replies, strict=False):
+            if not isinstance(found, Exception):  # (else not known: its live events go, and it is looked at again)
+                self._listened[sid] = (self._others_in(found), at)
+        for reply in replies[len(looks) :]:
             if isinstance(reply, Exception):
                 raise reply
+
+    def _others_in(self, readers: Any) -> bool:
+        """Whether a `readers` hash (HGETALL's reply: a flat list, or a map) names another process."""
+        names = readers.keys() if isinstance(readers, dict) else readers[0::2]
+        return any(name != self._origin for name in names)
 
     # ---- in ----------------------------------------------------------------------------
 

@@ -14,6 +14,8 @@ from websockets.asyncio.client import connect
 from harness import Agent, Harness
 from harness.events import LiveEvent, StoredEvent
 from harness.models import ModelReply, ModelRequest, ScriptedModel
+from harness.store.keys import SessionKeys
+from tests.channels.slack_support import eventually
 
 REPLY = "a reply that streams in pieces, é and 🙂 included"
 
@@ -125,6 +127,8 @@ async def test_a_reader_in_another_process_gets_the_deltas(make_harness: Any, re
         async with asyncio.timeout(5):  # the reader's process is subscribed to the session's live events
             while not (await redis.pubsub_shardnumsub(f"keel:{{{sid}}}:live"))[0][1]:  # noqa: ASYNC110 (Redis state)
                 await asyncio.sleep(0.01)
+        # ... and named as one of its readers: live events go out only to processes named so
+        await eventually(lambda: redis.hexists(SessionKeys(sid).readers, reader.store.origin), 5)
         await runner.sessions.submit(sid, "o", "hi")
         gate.set()
         await asyncio.wait_for(task, 10)

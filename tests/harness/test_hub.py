@@ -7,9 +7,12 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
+
 from harness import Agent
-from harness.events import StoredEvent
+from harness.events import LiveEvent, StoredEvent, delta
 from harness.models import ModelReply, ScriptedModel
+from harness.store import bus
 from harness.store.keys import SessionKeys
 from tests.channels.slack_support import eventually
 
@@ -123,5 +126,45 @@ async def test_a_reader_gets_the_events_in_the_order_they_came_live_and_committe
         first_delta = seen.index("message.delta")
         assert seen[:first_delta] == ["message.received", "turn.started"], seen
         assert seen.index("message.completed") > first_delta
+    finally:
+        await reader.aclose()  # type: ignore[attr-defined]
+
+
+async def test_live_events_go_out_only_while_another_process_reads_the_session(
+    make_harness: Any, redis: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A turn's live events (message.delta) reach other processes' readers through pub/sub, and
+    are published only while another process is named in the session's readers, as the last
+    look at it found (made in a flush, again once LIVE_LOOK_S has passed: 0 here, so at every
+    event). With nobody elsewhere, none after the first look goes to Redis; a reader elsewhere,
+    once named, gets them after the next look."""
+    monkeypatch.setattr(bus, "LIVE_LOOK_S", 0.0)
+    agent = Agent(instructions="t", model=ScriptedModel(lambda r: ModelReply(text="hi")))
+    worker = await make_harness(agent, run_turns=False)
+    sid = await worker.sessions.create("anon")
+    hub = worker.store.hub
+
+    async def stream(*offsets: int) -> None:
+        for n in offsets:
+            hub.live(sid, delta(sid, "turn_1", "it_1", "x", n))
+            await hub.flush_live()
+
+    async def alone() -> None:
+        await stream(0, 1, 2, 3)
+
+    heard = await spied(redis, SessionKeys(sid).live, alone)
+    assert len(heard) <= 1 and not any(b'"offset":3' in m for m in heard), heard  # (at most the one before the look)
+
+    web = await make_harness(agent, run_turns=False)
+    reader = web.sessions.tail(sid, "0", heartbeat=60.0)
+    try:
+        assert (await anext(reader)).type == "session.created"
+        await eventually(lambda: redis.hexists(SessionKeys(sid).readers, web.store.origin), 5)
+        await stream(4, 5)  # (the first finds the new reader, the second goes to it)
+        async with asyncio.timeout(5):
+            while True:
+                event = await anext(reader)
+                if isinstance(event, LiveEvent) and b'"offset":5' in event.raw:
+                    break
     finally:
         await reader.aclose()  # type: ignore[attr-defined]
