@@ -12,15 +12,16 @@ and a script publishes only if a process other than the writer is named there. A
 readers get its commits from the hub, never back from Redis. Live events (`send`, batched:
 a burst of deltas is one message per session) go out by the same rule: only while another
 process is named in the session's `readers`, as a look at it (in a flush's round trip, at most
-every LIVE_LOOK_S while the session streams) last found; until the first look, they go. They
-are best-effort by design (the committed `message.completed` is the truth): one lost while
+every LIVE_LOOK_S while the session streams) last found; while no look is that recent, they go.
+They are best-effort by design (the committed `message.completed` is the truth): one lost while
 Redis is away, before a subscription is in place, or before the next look finds a process that
-was named since, is not resent. A process skips the live events it published itself (each message names
-its origin). A subscription confirmed again after a gap (a lost connection, a slot that moved)
-tells the hub to have the session's readers read what they may have missed. A cancel notice
-(`cancel`) only hurries the process running the turn: the cancel itself is committed first, and
-that process sees it at its next commit anyway. A session's end (`ended`: it was deleted) goes
-on its channel as a line of its own, `ENDED`, to the readers of the session in every process.
+was named since, is not resent. A process skips the live events it published itself (each
+message names its origin). A subscription confirmed again after a gap (a lost connection, a slot
+that moved) tells the hub to have the session's readers read what they may have missed. A
+cancel notice (`cancel`) only hurries the process running the turn: the cancel itself is
+committed first, and that process sees it at its next commit anyway. A session's end (`ended`:
+it was deleted) goes on its channel as a line of its own, `ENDED`, to the readers of the
+session in every process.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -101,12 +103,13 @@ class Bus:
 
     def send(self, sid: str, event: LiveEvent) -> None:
         """A live event of a turn this process runs, for the session's readers in other processes:
-        sent only if the last look found one (or none was made yet). A look older than
-        LIVE_LOOK_S is made again, in the next flush."""
+        sent unless a look at most LIVE_LOOK_S old found none. An older look (or none) is made
+        again, in the flush that sends this event."""
         known = self._listened.get(sid)
-        if known is None or known[0]:
+        stale = known is None or asyncio.get_running_loop().time() - known[1] >= LIVE_LOOK_S
+        if known is None or stale or known[0]:  # (an old look counts for nothing: a reader may be named since)
             self._queue(SessionKeys(sid).live, event.raw)
-        if sid not in self._looking and (known is None or asyncio.get_running_loop().time() - known[1] >= LIVE_LOOK_S):
+        if stale and sid not in self._looking:
             self._looking.add(sid)
             self._queue(_LOOK, sid.encode())
 
@@ -176,16 +179,22 @@ class Bus:
         if len(self._listened) + len(looks) > LOOKS_MAX:
             self._listened.clear()
         for sid, found in zip(looks, replies, strict=False):
-            if not isinstance(found, Exception):  # (else not known: its live events go, and it is looked at again)
+            if isinstance(found, Exception):
+                self._listened.pop(sid, None)  # (not known: its live events go, and it is looked at again)
+            else:
                 self._listened[sid] = (self._others_in(found), at)
         for reply in replies[len(looks) :]:
             if isinstance(reply, Exception):
                 raise reply
 
     def _others_in(self, readers: Any) -> bool:
-        """Whether a `readers` hash (HGETALL's reply: a flat list, or a map) names another process."""
-        names = readers.keys() if isinstance(readers, dict) else readers[0::2]
-        return any(name != self._origin for name in names)
+        """Whether a `readers` hash (HGETALL's reply: a flat list, or a map) names another process
+        whose deadline (Valkey's clock, ms) has not passed by this process's clock, give or take
+        READERS_RENEW_S (the clocks may differ; a process that died stops counting that long
+        after its deadline, not at once as in the scripts' check, which has Valkey's clock)."""
+        pairs = readers.items() if isinstance(readers, dict) else zip(readers[0::2], readers[1::2], strict=False)
+        now_ms = time.time() * 1000
+        return any(name != self._origin and int(until) > now_ms - READERS_RENEW_S * 1000 for name, until in pairs)
 
     # ---- in ----------------------------------------------------------------------------
 

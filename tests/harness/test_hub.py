@@ -5,6 +5,7 @@ websocket only at the next heartbeat, 15 s later)."""
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import pytest
@@ -134,11 +135,11 @@ async def test_live_events_go_out_only_while_another_process_reads_the_session(
     make_harness: Any, redis: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A turn's live events (message.delta) reach other processes' readers through pub/sub, and
-    are published only while another process is named in the session's readers, as the last
-    look at it found (made in a flush, again once LIVE_LOOK_S has passed: 0 here, so at every
-    event). With nobody elsewhere, none after the first look goes to Redis; a reader elsewhere,
-    once named, gets them after the next look."""
-    monkeypatch.setattr(bus, "LIVE_LOOK_S", 0.0)
+    are published unless a recent look at the session's readers (made in a flush, again once
+    LIVE_LOOK_S has passed) found no other process. With nobody elsewhere, only the first event
+    (sent with the first look) goes to Redis. Once the look is old, the events go again (a
+    reader may have been named since: a later turn's reader gets the reply from its start)."""
+    monkeypatch.setattr(bus, "LIVE_LOOK_S", 60.0)
     agent = Agent(instructions="t", model=ScriptedModel(lambda r: ModelReply(text="hi")))
     worker = await make_harness(agent, run_turns=False)
     sid = await worker.sessions.create("anon")
@@ -153,18 +154,47 @@ async def test_live_events_go_out_only_while_another_process_reads_the_session(
         await stream(0, 1, 2, 3)
 
     heard = await spied(redis, SessionKeys(sid).live, alone)
-    assert len(heard) <= 1 and not any(b'"offset":3' in m for m in heard), heard  # (at most the one before the look)
+    assert len(heard) == 1 and b'"offset":0' in heard[0], heard  # (sent with the first look only)
 
     web = await make_harness(agent, run_turns=False)
     reader = web.sessions.tail(sid, "0", heartbeat=60.0)
     try:
         assert (await anext(reader)).type == "session.created"
         await eventually(lambda: redis.hexists(SessionKeys(sid).readers, web.store.origin), 5)
-        await stream(4, 5)  # (the first finds the new reader, the second goes to it)
+        monkeypatch.setattr(bus, "LIVE_LOOK_S", 0.0)  # (the look that found nobody is old now)
+        await stream(4, 5)
+        got: list[bytes] = []
         async with asyncio.timeout(5):
-            while True:
+            while len(got) < 2:
                 event = await anext(reader)
-                if isinstance(event, LiveEvent) and b'"offset":5' in event.raw:
-                    break
+                if isinstance(event, LiveEvent):
+                    got.append(event.raw)
+        assert b'"offset":4' in got[0] and b'"offset":5' in got[1], got
     finally:
         await reader.aclose()  # type: ignore[attr-defined]
+
+
+async def test_a_reader_named_long_past_its_deadline_does_not_count_for_live_events(
+    make_harness: Any, redis: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process still named in a session's readers long after its deadline (it died: nothing
+    renews its name, though the key lives on) is not a reader for live events; one within its
+    deadline is."""
+    monkeypatch.setattr(bus, "LIVE_LOOK_S", 60.0)
+    agent = Agent(instructions="t", model=ScriptedModel(lambda r: ModelReply(text="hi")))
+    worker = await make_harness(agent, run_turns=False)
+    hub, now_ms = worker.store.hub, int(time.time() * 1000)
+
+    async def published(reader_until_ms: int) -> int:
+        sid = await worker.sessions.create("anon")
+        await redis.hset(SessionKeys(sid).readers, "elsewhere", reader_until_ms)
+
+        async def stream() -> None:
+            for n in range(3):
+                hub.live(sid, delta(sid, "turn_1", "it_1", "x", n))
+                await hub.flush_live()
+
+        return len(await spied(redis, SessionKeys(sid).live, stream))
+
+    assert await published(now_ms - 3_600_000) == 1  # (the first, sent with the first look)
+    assert await published(now_ms + 60_000) == 3
