@@ -103,8 +103,7 @@ class ClusterWire:
         self._gathered_slots: set[int] = set()  # ... and their slots
         self._gathering: asyncio.TimerHandle | None = None
         self._posted: set[asyncio.Future[list[Any]]] = set()  # lazy writes posted, their replies to come
-        self._lazies: set[asyncio.Task[None]] = set()  # lazy writes that went the long way (`_lazy`) ...
-        self._lazy_slots: dict[int, set[asyncio.Task[None]]] = {}  # ... by their slots, until done
+        self._lazy_slots: dict[int, set[asyncio.Task[None]]] = {}  # lazy writes gone the long way (`_lazy`), by slot
 
     async def close(self) -> None:
         """Close every node's pool once the lazy writes on their way are done (at most
@@ -114,9 +113,10 @@ class ClusterWire:
         self._post_gathered()
         if self._posted:
             await asyncio.wait(set(self._posted), timeout=LAZY_CLOSE_S)
-        if self._lazies:  # (a refused posted write goes the long way)
-            await asyncio.wait(set(self._lazies), timeout=max(deadline - loop.time(), 0))
-        for task in self._lazies:
+        lazies = set().union(*self._lazy_slots.values())  # (a refused posted write goes the long way)
+        if lazies:
+            await asyncio.wait(lazies, timeout=max(deadline - loop.time(), 0))
+        for task in lazies:
             task.cancel()
         pools, self._pools = self._pools, {}
         for pool in pools.values():
@@ -295,12 +295,10 @@ class ClusterWire:
         loop = asyncio.get_running_loop()
         for slot, commands in by_slot.items():
             task = loop.create_task(self._lazy(commands))
-            self._lazies.add(task)
             self._lazy_slots.setdefault(slot, set()).add(task)
             task.add_done_callback(functools.partial(self._lazy_done, slot))
 
     def _lazy_done(self, slot: int, task: asyncio.Task[None]) -> None:
-        self._lazies.discard(task)
         waiting = self._lazy_slots.get(slot)
         if waiting is not None:
             waiting.discard(task)

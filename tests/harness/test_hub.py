@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import pytest
@@ -131,6 +132,13 @@ async def test_a_reader_gets_the_events_in_the_order_they_came_live_and_committe
         await reader.aclose()  # type: ignore[attr-defined]
 
 
+async def streamed(hub: Any, sid: str, offsets: Iterable[int]) -> None:
+    """A turn's live events as a model streams them: one a flush (the offsets, a character each)."""
+    for n in offsets:
+        hub.live(sid, delta(sid, "turn_1", "it_1", "x", n))
+        await hub.flush_live()
+
+
 async def test_live_events_go_out_only_while_another_process_reads_the_session(
     make_harness: Any, redis: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -145,13 +153,8 @@ async def test_live_events_go_out_only_while_another_process_reads_the_session(
     sid = await worker.sessions.create("anon")
     hub = worker.store.hub
 
-    async def stream(*offsets: int) -> None:
-        for n in offsets:
-            hub.live(sid, delta(sid, "turn_1", "it_1", "x", n))
-            await hub.flush_live()
-
     async def alone() -> None:
-        await stream(0, 1, 2, 3)
+        await streamed(hub, sid, range(4))
 
     heard = await spied(redis, SessionKeys(sid).live, alone)
     assert len(heard) == 1 and b'"offset":0' in heard[0], heard  # (sent with the first look only)
@@ -162,7 +165,7 @@ async def test_live_events_go_out_only_while_another_process_reads_the_session(
         assert (await anext(reader)).type == "session.created"
         await eventually(lambda: redis.hexists(SessionKeys(sid).readers, web.store.origin), 5)
         monkeypatch.setattr(bus, "LIVE_LOOK_S", 0.0)  # (the look that found nobody is old now)
-        await stream(4, 5)
+        await streamed(hub, sid, (4, 5))
         got: list[bytes] = []
         async with asyncio.timeout(5):
             while len(got) < 2:
@@ -188,13 +191,7 @@ async def test_a_reader_named_long_past_its_deadline_does_not_count_for_live_eve
     async def published(reader_until_ms: int) -> int:
         sid = await worker.sessions.create("anon")
         await redis.hset(SessionKeys(sid).readers, "elsewhere", reader_until_ms)
-
-        async def stream() -> None:
-            for n in range(3):
-                hub.live(sid, delta(sid, "turn_1", "it_1", "x", n))
-                await hub.flush_live()
-
-        return len(await spied(redis, SessionKeys(sid).live, stream))
+        return len(await spied(redis, SessionKeys(sid).live, lambda: streamed(hub, sid, range(3))))
 
     assert await published(now_ms - 3_600_000) == 1  # (the first, sent with the first look)
     assert await published(now_ms + 60_000) == 3
