@@ -291,22 +291,46 @@ class Runner:
                     if not await self._drain(sid, state, first):
                         return
                     first = None
+                    if state.phase is Phase.ENDED:  # (let go as its last turn ended: `_ended`)
+                        return
                     if mark is not None:
                         self._cover(sid, mark)
                     if not state.again:
                         break
             finally:
-                self._slots.release()
+                if state.phase is not Phase.ENDED:
+                    self._slots.release()
             drained = True
         except HandedOver:
             pass  # (the process drains: the session goes to another runner, below)
         finally:
-            del self._hand[sid]
-            if drained:
-                for job in state.jobs:
-                    self.jobs.ack(job)
-            elif self._leaving.is_set():
-                self._given.setdefault(sid, []).extend(state.jobs)
+            if state.phase is not Phase.ENDED:
+                self._let_go_drained(sid, state, drained)
+
+    def _let_go_drained(self, sid: str, state: InHand, drained: bool) -> None:
+        """The session's drain is over: out of hand, its jobs acknowledged if it drained (else,
+        as the process drains, left to another runner; else pending, to be reclaimed)."""
+        del self._hand[sid]
+        if drained:
+            for job in state.jobs:
+                self.jobs.ack(job)
+        elif self._leaving.is_set():
+            self._given.setdefault(sid, []).extend(state.jobs)
+
+    def _ended(self, sid: str) -> bool:
+        """A turn run here made its final commit, which left the inbox empty. If no work came for
+        the session since its drain began, the drain is over now: the session is let go before
+        its task unwinds (ENDED: so a message sent as the turn's answer arrives finds it idle
+        here), and True."""
+        state = self._hand[sid]
+        if state.again or self._leaving.is_set():
+            return False
+        state.to(Phase.ENDED)
+        if state.mark is not None:
+            self._cover(sid, state.mark)
+        self._slots.release()
+        self._let_go_drained(sid, state, drained=True)
+        return True
 
     def _cover(self, sid: str, job: JobId) -> None:
         if len(self._covered) >= COVERED_MAX:
@@ -346,7 +370,8 @@ class Runner:
             except StaleLease:
                 return False
             finally:
-                state.to(Phase.DRAINING)
+                if state.phase is not Phase.ENDED:
+                    state.to(Phase.DRAINING)
             if not more:
                 return True
 
@@ -370,8 +395,22 @@ class Runner:
         started = time.perf_counter()
         try:
             if begun.message.kind == "message":
+
+                def ended() -> bool:
+                    if not self._ended(sid):
+                        return False
+                    renewal.cancel()
+                    return True
+
                 turn = Turn(
-                    self.store, self.agent, sid, begun, calls=self.calls, stats=self.stats, tools=self.toolbox()
+                    self.store,
+                    self.agent,
+                    sid,
+                    begun,
+                    calls=self.calls,
+                    stats=self.stats,
+                    tools=self.toolbox(),
+                    ended=ended,
                 )
                 with tracing.span(
                     f"invoke_agent {self.agent.name}",

@@ -7,9 +7,15 @@ its inbox is drained, its lease is lost, or it is handed over.
     RESERVED ──────────────────────────────────┐   a submit holds it (its SUBMIT may begin the turn)
        │ SUBMIT began nothing: dropped         │ SUBMIT began the turn
     QUEUED ──▶ DRAINING ◀─────▶ RUNNING ◀──────┘   QUEUED: its drain waits for a runner slot
-                 ▲   │                             DRAINING: between turns (BEGIN, acks)
-                 │   ▼                             RUNNING: holds the lease, runs a turn
-               WAITING                             WAITING: another runner holds the lease
+                 ▲   │             │               DRAINING: between turns (BEGIN, acks)
+                 │   ▼             ▼               RUNNING: holds the lease, runs a turn
+               WAITING           ENDED             WAITING: another runner holds the lease
+                                                   ENDED: let go as its turn ended (below)
+
+A turn whose final commit left the inbox empty, with no work come for the session since its
+drain began, ends the drain there: the session is let go at once (ENDED: its jobs acknowledged,
+its slot free, out of the runner's hands) while its task is still unwinding, so that a message
+sent as the turn's answer arrives is taken as one that finds the session idle here.
 
 Besides its phase it keeps what the drain needs: the jobs read for it (acknowledged when the
 drain ends), the newest job it was kicked with, the newest job the running drain began after
@@ -32,6 +38,7 @@ class Phase(enum.Enum):
     DRAINING = "draining"
     WAITING = "waiting"
     RUNNING = "running"
+    ENDED = "ended"
 
 
 # the moves the machine has, (from, to) (a tuple, not a dict: an Enum member hashes in Python)
@@ -42,6 +49,7 @@ _MOVES = (
     (Phase.DRAINING, Phase.WAITING),
     (Phase.WAITING, Phase.DRAINING),
     (Phase.RUNNING, Phase.DRAINING),
+    (Phase.RUNNING, Phase.ENDED),
 )
 
 

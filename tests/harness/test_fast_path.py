@@ -118,3 +118,46 @@ async def test_a_waiter_hears_a_turn_run_elsewhere_while_this_process_waits_on_t
     finally:
         hold.set()
         await here.stop()
+
+
+async def test_a_session_let_go_as_its_turn_ends_takes_the_next_message_fast_and_frees_one_slot(
+    make_harness: Any,
+) -> None:
+    """A turn whose final commit empties the inbox lets its session go before its task unwinds:
+    a message sent as the answer arrives is begun by its own SUBMIT (no BEGIN after it), and
+    the runner slot is given back once, so the runner still runs at most `concurrency` turns."""
+    running = most = 0
+
+    async def script(r: ModelRequest) -> ModelReply:
+        nonlocal running, most
+        running += 1
+        most = max(most, running)
+        try:
+            if r.messages[-1].text == "slow":
+                await asyncio.sleep(0.05)
+        finally:
+            running -= 1
+        return ModelReply(text="re " + r.messages[-1].text, usage=Usage(1, 1))
+
+    h = await make_harness(Agent(instructions="t", model=ScriptedModel(script)), concurrency=1)
+    begins = 0
+    real_begin = h.store.begin
+
+    async def counted_begin(*args: Any, **kw: Any) -> Any:
+        nonlocal begins
+        begins += 1
+        return await real_begin(*args, **kw)
+
+    h.store.begin = counted_begin  # type: ignore[method-assign]
+    sid = await h.sessions.create("o")
+    for n in range(5):
+        done = await h.sessions.submit_and_wait(sid, "o", f"m{n}", context=None, message_id=None, timeout=5)
+        assert (done.status, done.reply) == ("completed", f"re m{n}")
+    assert begins == 0  # each message's SUBMIT began its turn: none waited for the last to unwind
+    others = [await h.sessions.create("o") for _ in range(3)]
+    results = await asyncio.gather(
+        *(h.sessions.submit_and_wait(s, "o", "slow", context=None, message_id=None, timeout=5) for s in others)
+    )
+    assert [r.status for r in results] == ["completed"] * 3
+    assert most == 1  # one slot: the sessions let go gave it back once each
+    assert [i.text for i in await h.sessions.history(sid, "o")] == [t for n in range(5) for t in (f"m{n}", f"re m{n}")]
