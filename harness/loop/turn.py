@@ -11,12 +11,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
 
 import msgspec
 
 from harness import failpoints
-from harness.aio import after_ready
 from harness.errors import CallbackError, ModelError, StaleLease
 from harness.events import (
     CompactionRequestedData,
@@ -78,12 +76,8 @@ class Turn:
         calls: Calls | None = None,
         stats: HarnessStats | None = None,
         tools: Toolbox | None = None,
-        ended: Callable[[], bool] | None = None,
     ) -> None:
         self.store = store
-        # the runner's, called as a final commit leaves the inbox empty: True if it let the
-        # session go then (the turn's waiters are let run before this one unwinds)
-        self._ended = ended
         # the tools this run of the turn has (the agent's, and its MCP servers' as they are now)
         self.toolbox = tools or agent.toolbox
         self._stopped: set[str] = set()  # calls a cancel stopped while they ran
@@ -469,8 +463,6 @@ class Turn:
         except StaleLease:
             log.warning("session %s turn %s: lease lost (or session deleted), stopping", self.sid, self.turn_id)
             raise
-        if isinstance(committed, Ended) and not committed.more and self._ended is not None and self._ended():
-            await after_ready()  # (the turn's waiters answer first, and a message sent at once goes out)
         return committed
 
     def _event(self, data: Data) -> Pending:

@@ -22,7 +22,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from harness.aio import cancel_and_wait
+from harness.aio import after_ready, cancel_and_wait
 from harness.errors import StaleLease
 from harness.loop.agent import Agent
 from harness.loop.housekeeping import Housekeeping
@@ -317,12 +317,12 @@ class Runner:
         elif self._leaving.is_set():
             self._given.setdefault(sid, []).extend(state.jobs)
 
-    def _ended(self, sid: str) -> bool:
-        """A turn run here made its final commit, which left the inbox empty. If no work came for
-        the session since its drain began, the drain is over now: the session is let go before
-        its task unwinds (ENDED: so a message sent as the turn's answer arrives finds it idle
-        here), and True."""
-        state = self._hand[sid]
+    def _ended(self, sid: str, state: InHand) -> bool:
+        """The session's turn run here ended with its final commit, which left the inbox empty.
+        If no work came for the session since its drain began (and the process is not handing
+        its sessions over), the drain is over now: the session is let go before its task
+        unwinds (ENDED: so a message sent as the turn's answer arrives finds it idle here), and
+        True."""
         if state.again or self._leaving.is_set():
             return False
         state.to(Phase.ENDED)
@@ -366,7 +366,7 @@ class Runner:
             state.fence = fence
             try:
                 with self.store.hub.writing(sid):
-                    more = await self._run_turn(sid, begun)
+                    more = await self._run_turn(sid, begun, state)
             except StaleLease:
                 return False
             finally:
@@ -389,28 +389,14 @@ class Runner:
         finally:
             state.to(Phase.DRAINING)
 
-    async def _run_turn(self, sid: str, begun: Begun) -> bool:
+    async def _run_turn(self, sid: str, begun: Begun, state: InHand) -> bool:
         renewal = Renewal(self.store, sid, begun.fence, self.lease_ms)
         turn_id.set(begun.message.turn_id)
         started = time.perf_counter()
         try:
             if begun.message.kind == "message":
-
-                def ended() -> bool:
-                    if not self._ended(sid):
-                        return False
-                    renewal.cancel()
-                    return True
-
                 turn = Turn(
-                    self.store,
-                    self.agent,
-                    sid,
-                    begun,
-                    calls=self.calls,
-                    stats=self.stats,
-                    tools=self.toolbox(),
-                    ended=ended,
+                    self.store, self.agent, sid, begun, calls=self.calls, stats=self.stats, tools=self.toolbox()
                 )
                 with tracing.span(
                     f"invoke_agent {self.agent.name}",
@@ -438,4 +424,9 @@ class Runner:
             turn_id.set(None)
         if not isinstance(outcome, Final):
             await self.store.release(sid, begun.fence)  # paused: not ours to hold (a no-op if already let go)
-        return isinstance(outcome, Final) and outcome.more
+            return False
+        if not outcome.more and self._ended(sid, state):
+            # the turn's waiters answer first, and a message one of them sends at once goes out
+            # before this task's unwinding, which then runs while Valkey runs that SUBMIT
+            await after_ready()
+        return outcome.more

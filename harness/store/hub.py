@@ -161,7 +161,7 @@ class EventHub:
     def __init__(self, redis: Client | None = None, wire: AnyWire | None = None, origin: str = "") -> None:
         self._watches: dict[str, set[Watch]] = {}
         self._last: dict[str, str] = {}  # session -> the newest event id its watches were woken for
-        self._writing: dict[str, int] = {}  # sessions whose turn is being written here now (by how many)
+        self._writing: set[str] = set()  # sessions whose turn is being written here now
         self._passed: set[str] = set()  # ... whose notice was passed over meanwhile
         # watches that do not follow their session's channel (yet): the turn they wait for is
         # written here, so its commits come published here (`open_watch`'s `deferred`)
@@ -229,28 +229,19 @@ class EventHub:
         """A runner here writes the session's turn (it holds the lease): its commits' notices are
         not needed until it stops; then, if one was passed over (perhaps for a commit made
         elsewhere), the session's readers read the stream."""
-        self._writing[sid] = self._writing.get(sid, 0) + 1
+        self._writing.add(sid)
         try:
             yield
         finally:
-            # (a turn that begins here as the one before unwinds: the two overlap for a moment)
-            left = self._writing[sid] - 1
-            if left:
-                self._writing[sid] = left
-            else:
-                del self._writing[sid]
-                self._written(sid)
-
-    def _written(self, sid: str) -> None:
-        """No turn of the session is written here any more."""
-        if sid in self._passed:
-            self._passed.discard(sid)
-            self._missed(sid)
-        # deferred watches asleep now hear commits made elsewhere from now on (their
-        # subscription's confirmation has them read what came before it); one its last
-        # commit just woke decides when it waits again (`listen`)
-        for w in [w for w in self._deferred.get(sid, ()) if w.asleep]:
-            self.follow(sid, w)
+            self._writing.discard(sid)
+            if sid in self._passed:
+                self._passed.discard(sid)
+                self._missed(sid)
+            # deferred watches asleep now hear commits made elsewhere from now on (their
+            # subscription's confirmation has them read what came before it); one its last
+            # commit just woke decides when it waits again (`listen`)
+            for w in [w for w in self._deferred.get(sid, ()) if w.asleep]:
+                self.follow(sid, w)
 
     def listen(self, sid: str, w: Watch) -> None:
         """A deferred watch is about to wait: unless the session's turn is written here, it

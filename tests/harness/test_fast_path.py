@@ -123,9 +123,10 @@ async def test_a_waiter_hears_a_turn_run_elsewhere_while_this_process_waits_on_t
 async def test_a_session_let_go_as_its_turn_ends_takes_the_next_message_fast_and_frees_one_slot(
     make_harness: Any,
 ) -> None:
-    """A turn whose final commit empties the inbox lets its session go before its task unwinds:
-    a message sent as the answer arrives is begun by its own SUBMIT (no BEGIN after it), and
-    the runner slot is given back once, so the runner still runs at most `concurrency` turns."""
+    """A turn whose final commit empties the inbox lets its session go before its task unwinds,
+    and its waiter answers before that unwinding: a message sent as the answer arrives is begun
+    by its own SUBMIT (no BEGIN after it), and the runner slot is given back once, so the runner
+    still runs at most `concurrency` turns."""
     running = most = 0
 
     async def script(r: ModelRequest) -> ModelReply:
@@ -153,6 +154,9 @@ async def test_a_session_let_go_as_its_turn_ends_takes_the_next_message_fast_and
     for n in range(5):
         done = await h.sessions.submit_and_wait(sid, "o", f"m{n}", context=None, message_id=None, timeout=5)
         assert (done.status, done.reply) == ("completed", f"re m{n}")
+        unwinding = [t for t in h.runner._tasks if t.get_name() == f"keel-session-{sid}" and not t.done()]
+        assert unwinding, "the turn's task had unwound before its waiter answered"
+        assert sid not in h.runner._hand and not h.runner._slots.locked()  # (let go already)
     assert begins == 0  # each message's SUBMIT began its turn: none waited for the last to unwind
     others = [await h.sessions.create("o") for _ in range(3)]
     results = await asyncio.gather(

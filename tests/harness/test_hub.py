@@ -15,7 +15,6 @@ from harness import Agent
 from harness.events import LiveEvent, StoredEvent, delta
 from harness.models import ModelReply, ScriptedModel
 from harness.store import bus
-from harness.store.hub import EventHub
 from harness.store.keys import SessionKeys
 from tests.channels.slack_support import eventually
 
@@ -196,21 +195,3 @@ async def test_a_reader_named_long_past_its_deadline_does_not_count_for_live_eve
 
     assert await published(now_ms - 3_600_000) == 1  # (the first, sent with the first look)
     assert await published(now_ms + 60_000) == 3
-
-
-def test_a_turn_begun_here_as_the_one_before_unwinds_keeps_its_notices_passed_over() -> None:
-    """A session let go as its turn ends (the runner's ENDED) may begin its next turn here
-    while the first one's task still unwinds: the two write it for a moment. Its notices are
-    passed over (its events come published here) until the last of them stops; then its readers
-    read the stream once for what was passed over."""
-    hub = EventHub()
-    sid = "ses_" + "0" * 26
-    reader = hub.open_watch(sid)
-    first, second = hub.writing(sid), hub.writing(sid)
-    first.__enter__()
-    second.__enter__()  # the next turn begins ...
-    first.__exit__(None, None, None)  # ... and then the first one's task is done
-    hub._committed(sid, "1-1")  # the second turn's commit's notice
-    assert not reader.take_news()
-    second.__exit__(None, None, None)
-    assert reader.take_news()  # (the notice passed over: read the stream)
