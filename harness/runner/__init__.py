@@ -85,8 +85,11 @@ class Runner:
         ]
 
     async def stop(self) -> None:
-        """Stop taking jobs, cancel running turns (their leases lapse; their jobs stay pending)."""
-        await cancel_and_wait([*self._loops, *self._tasks])
+        """Stop taking jobs, cancel running turns (their leases lapse; their jobs stay pending).
+        A drain that one of them starts as it ends (a cancelled submit lets its session go, to
+        drain as usual) is cancelled too: none is left running."""
+        while running := [t for t in (*self._loops, *self._tasks) if not t.done()]:
+            await cancel_and_wait(running)
         await self.jobs.flush()
 
     async def hand_over(self, timeout: float) -> int:

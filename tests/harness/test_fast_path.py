@@ -1,13 +1,15 @@
 """The fast path of a turn (SUBMIT begins it, usage written by the commit, events handed to local
 readers) keeps the guarantees of the slow one: a begun turn always has a runner slot and a
 renewed lease, a caller cancelled mid-submit strands nothing, a flushed script cache changes no
-order, and a reader waiting while this process only waits on another's lease still hears."""
+order, a reader waiting while this process only waits on another's lease still hears, a session
+let go as its turn ends takes the next message at once, and a stop leaves no drain running."""
 
 from __future__ import annotations
 
 import asyncio
 from typing import Any
 
+import pytest
 from redis.asyncio import Redis
 
 from harness import Agent, Harness, tool
@@ -165,3 +167,27 @@ async def test_a_session_let_go_as_its_turn_ends_takes_the_next_message_fast_and
     assert [r.status for r in results] == ["completed"] * 3
     assert most == 1  # one slot: the sessions let go gave it back once each
     assert [i.text for i in await h.sessions.history(sid, "o")] == [t for n in range(5) for t in (f"m{n}", f"re m{n}")]
+
+
+async def test_stopping_leaves_no_drain_behind_that_a_cancelled_submit_started(make_harness: Any) -> None:
+    """A submit whose SUBMIT the stop cancels lets its session go, and a message accepted for
+    the session meanwhile would start a drain as it does: the stop cancels that one too, and
+    returns with no turn of this process still running (it would go on against a closed store)."""
+    h = await make_harness(Agent(instructions="t", model=ScriptedModel(lambda r: ModelReply(text="re"))))
+    sid = await h.sessions.create("o")
+    real, held = h.store.submit, asyncio.Event()
+
+    async def held_first(s: str, owner: str, message: Any, **kw: Any) -> Any:
+        if message.text == "first":
+            await held.wait()  # (never set: the stop cancels it before its SUBMIT goes out)
+        return await real(s, owner, message, **kw)
+
+    h.store.submit = held_first  # type: ignore[method-assign]
+    first = asyncio.create_task(h.sessions.submit(sid, "o", "first"))
+    while sid not in h.runner._hand:  # noqa: ASYNC110 (its session reserved, its SUBMIT held)
+        await asyncio.sleep(0.001)
+    await h.sessions.submit(sid, "o", "second")  # accepted meanwhile: kicks the reserved session
+    await h.runner.stop()
+    assert all(t.done() for t in h.runner._tasks), [t.get_name() for t in h.runner._tasks if not t.done()]
+    with pytest.raises(asyncio.CancelledError):  # (its caller hears that it did not go through)
+        await first
