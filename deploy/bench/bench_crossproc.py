@@ -9,7 +9,13 @@ Latency is the reader's receipt time minus the event's `at` (stamped just before
 sent), so both include the commit's own round trip; B's minus A's is what crossing processes
 costs. Prints a table and a RESULT json line.
 
-    .venv/bin/python deploy/bench/bench_crossproc.py [--turns 300] [--cluster]
+With `--deltas N` the agent's model streams each reply as N live `message.delta` events,
+`--pace-ms` apart (`deploy/bench/agents.py`, `Stamped`: each delta's text begins with the time
+it was sent), and the readers time those too: on A they are handed over in memory, on B they
+come by the session's channel (published because B is named in the session's `readers`). Each
+reader must get every delta once.
+
+    .venv/bin/python deploy/bench/bench_crossproc.py [--turns 300] [--cluster] [--deltas 20 --pace-ms 5]
 """
 
 from __future__ import annotations
@@ -54,6 +60,8 @@ class Reader:
     def __init__(self, base: str, sid: str) -> None:
         self.url = f"{base}/v1/sessions/{sid}/events"
         self.got: dict[str, float] = {}
+        self.deltas: dict[str, float] = {}  # a live delta's stamp and index -> its latency (s)
+        self.repeated = 0  # deltas seen twice
         self.ready = asyncio.Event()
         self.last = ""  # the run's last event id, once known
         self.done = asyncio.Event()  # ... and seen
@@ -65,7 +73,11 @@ class Reader:
                 if line.startswith("data: "):
                     now = time.time()
                     event = json.loads(line[6:])
-                    if "id" in event:
+                    if event.get("type") == "message.delta":
+                        key = event["data"]["delta"][:22]
+                        self.repeated += key in self.deltas
+                        self.deltas[key] = time.time_ns() / 1e9 - int(key[:19]) / 1e9
+                    elif "id" in event:
                         self.got[event["id"]] = now - event["at"]
                         if event["id"] == self.last:
                             self.done.set()
@@ -76,7 +88,7 @@ class Reader:
             self.done.set()
 
 
-async def measure(a: Server, b: Server, turns: int) -> dict[str, Any]:
+async def measure(a: Server, b: Server, turns: int, deltas: int) -> dict[str, Any]:
     async with httpx.AsyncClient(base_url=f"http://{HOST}:{a.port}", timeout=30) as c:
         sid = (await c.post("/v1/sessions")).json()["session_id"]
         readers = [Reader(f"http://{HOST}:{s.port}", sid) for s in (a, b)]
@@ -96,22 +108,40 @@ async def measure(a: Server, b: Server, turns: int) -> dict[str, Any]:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-    same, cross = readers[0].got, readers[1].got
-    if set(same) != set(cross):
-        raise BenchError(f"the readers saw different events: {len(same)} on A, {len(cross)} on B")
-    ms = {name: sorted(v * 1000 for v in got.values()) for name, got in (("same", same), ("cross", cross))}
-    extra = sorted((cross[k] - same[k]) * 1000 for k in same)
-    out: dict[str, Any] = {"turns": turns, "events": len(same)}
-    for name, xs in (*ms.items(), ("cross_minus_same", extra)):
-        out[name] = {"p50_ms": round(percentile(xs, 50), 3), "p99_ms": round(percentile(xs, 99), 3)}
+    out: dict[str, Any] = {"turns": turns, "events": len(readers[0].got)}
+    out.update(compared("", readers[0].got, readers[1].got, "events"))
+    if deltas:
+        if any(r.repeated for r in readers) or len(readers[0].deltas) != turns * deltas:
+            counts = ", ".join(f"{len(r.deltas)} ({r.repeated} twice)" for r in readers)
+            raise BenchError(f"{turns * deltas} deltas sent, the readers on A and B got {counts}")
+        out["deltas"] = len(readers[0].deltas)
+        out.update(compared("delta_", readers[0].deltas, readers[1].deltas, "deltas"))
     return out
+
+
+def compared(prefix: str, same: dict[str, float], cross: dict[str, float], what: str) -> dict[str, Any]:
+    """p50 and p99 of the latencies on A (same), on B (cross), and of B's minus A's, in ms."""
+    if set(same) != set(cross):
+        raise BenchError(f"the readers saw different {what}: {len(same)} on A, {len(cross)} on B")
+    extra = sorted((cross[k] - same[k]) * 1000 for k in same)
+    ms = (("same", sorted(v * 1000 for v in same.values())), ("cross", sorted(v * 1000 for v in cross.values())))
+    return {
+        prefix + name: {"p50_ms": round(percentile(xs, 50), 3), "p99_ms": round(percentile(xs, 99), 3)}
+        for name, xs in (*ms, ("cross_minus_same", extra))
+    }
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--turns", type=positive, default=300)
     p.add_argument("--cluster", action="store_true", help="a Valkey Cluster (3 primaries, 3 replicas)")
+    p.add_argument("--deltas", type=int, default=0, help="live deltas a reply, timed too (0: none)")
+    p.add_argument("--pace-ms", type=float, default=5.0, help="with --deltas: the model's pause between two deltas")
     args = p.parse_args()
+    agent, env = AGENT, {}
+    if args.deltas:
+        agent = "deploy.bench.agents:stamped"
+        env = {"KEEL_BENCH_DELTAS": str(args.deltas), "KEEL_BENCH_PACE_MS": str(args.pace_ms)}
     signal.signal(signal.SIGTERM, on_signal)
     deadline = Deadline(300)
     work = Path(tempfile.mkdtemp(prefix="keel-bench-crossproc-"))
@@ -126,15 +156,15 @@ def main() -> int:
             port = cluster.primaries[0]
         else:
             valkey, port = start_valkey(work, deadline)
-        for name, extra in (("A", {}), ("B", {"KEEL_RUN_TURNS": "0"})):
+        for name, extra in (("A", env), ("B", {**env, "KEEL_RUN_TURNS": "0"})):
             s = Server(name, free_port(), work / f"{name}.log")
             (work / name).mkdir()
-            s.start([sys.executable, "-m", "app"], keel_env(port, s, work / name, AGENT, extra))
+            s.start([sys.executable, "-m", "app"], keel_env(port, s, work / name, agent, extra))
             servers.append(s)
         with asyncio.Runner(loop_factory=new_loop) as runner:
             for s in servers:
                 runner.run(wait_ready(s, deadline))
-            result = runner.run(measure(servers[0], servers[1], args.turns))
+            result = runner.run(measure(servers[0], servers[1], args.turns, args.deltas))
     except (BenchError, OSError, httpx.HTTPError) as exc:
         return show_failure("bench_crossproc", exc, servers)
     finally:
@@ -143,7 +173,12 @@ def main() -> int:
             cluster.stop()
     result["redis"] = "cluster" if args.cluster else "server"
     print(f"{'reader':<22}{'p50 ms':>10}{'p99 ms':>10}")
-    for name in ("same", "cross", "cross_minus_same"):
+    for name in (
+        "same",
+        "cross",
+        "cross_minus_same",
+        *(("delta_same", "delta_cross", "delta_cross_minus_same") if args.deltas else ()),
+    ):
         print(f"{name:<22}{result[name]['p50_ms']:>10.3f}{result[name]['p99_ms']:>10.3f}")
     print("RESULT " + json.dumps(result))
     return 0

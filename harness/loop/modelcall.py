@@ -255,6 +255,7 @@ class ModelCall:
         offset = 0
         loop = asyncio.get_running_loop()
         yielded = -LIVE_YIELD_S
+        self._hub.streaming(self.sid)
         try:
             async with contextlib.aclosing(self.agent.model.stream(request)) as events:  # closed when cut
                 async for event in events:

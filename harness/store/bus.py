@@ -12,7 +12,8 @@ and a script publishes only if a process other than the writer is named there. A
 readers get its commits from the hub, never back from Redis. Live events (`send`, batched:
 a burst of deltas is one message per session) go out by the same rule: only while another
 process is named in the session's `readers`, as a look at it (in a flush's round trip, at most
-every LIVE_LOOK_S while the session streams) last found; while no look is that recent, they go.
+every LIVE_LOOK_S while the session streams, and again as each model call begins to stream)
+last found; while no look is that recent, they go.
 They are best-effort by design (the committed `message.completed` is the truth): one lost while
 Redis is away, before a subscription is in place, or before the next look finds a process that
 was named since, is not resent. A process skips the live events it published itself (each
@@ -112,6 +113,12 @@ class Bus:
         if stale and sid not in self._looking:
             self._looking.add(sid)
             self._queue(_LOOK, sid.encode())
+
+    def fresh_look(self, sid: str) -> None:
+        """A model call of the session begins to stream here: what the last look found stands no
+        longer, so a process named a reader since then gets this reply's live events from the
+        first (which goes with a new look)."""
+        self._listened.pop(sid, None)
 
     def cancel(self, sid: str, turn_id: str) -> None:
         """Tell every process that the turn is to be cancelled (the one running it stops its

@@ -252,6 +252,12 @@ class EventHub:
 
     # ---- live events and cancels -----------------------------------------------------------
 
+    def streaming(self, sid: str) -> None:
+        """A model call of the session begins to stream here: its live events go to the readers
+        other processes have now (`Bus.fresh_look`)."""
+        if self._bus is not None:
+            self._bus.fresh_look(sid)
+
     def live(self, sid: str, event: LiveEvent) -> None:
         """A turn this process runs produced a live event: to the session's readers here, and
         to those of other processes."""

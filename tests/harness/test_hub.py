@@ -195,3 +195,39 @@ async def test_a_reader_named_long_past_its_deadline_does_not_count_for_live_eve
 
     assert await published(now_ms - 3_600_000) == 1  # (the first, sent with the first look)
     assert await published(now_ms + 60_000) == 3
+
+
+async def test_a_reader_named_elsewhere_before_a_reply_streams_gets_all_of_it(
+    make_harness: Any, redis: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A look at the session's readers that found nobody stands for LIVE_LOOK_S, but not into
+    the next model call: a reader another process opened (and was named for) before a reply
+    begins to stream gets every one of its deltas, however recent that look."""
+    monkeypatch.setattr(bus, "LIVE_LOOK_S", 60.0)
+    agent = Agent(instructions="t", model=ScriptedModel(lambda r: ModelReply(text="abcdef"), chunk=2))
+    worker = await make_harness(agent)
+    sid = await worker.sessions.create("anon")
+    first = await worker.sessions.submit_and_wait(sid, "anon", "one", context=None, message_id=None, timeout=5)
+    assert first.status == "completed"  # (streamed with nobody elsewhere: the look found none)
+    web = await make_harness(agent, run_turns=False)
+    reader = web.sessions.tail(sid, "0", heartbeat=60.0)
+    try:
+        seen: list[str] = []
+        async with asyncio.timeout(5):
+            while "turn.completed" not in seen:  # (the first turn, replayed)
+                event = await anext(reader)
+                if isinstance(event, StoredEvent):
+                    seen.append(event.type)
+        await eventually(lambda: redis.hexists(SessionKeys(sid).readers, web.store.origin), 5)
+        await worker.sessions.submit(sid, "anon", "two")
+        deltas: list[bytes] = []
+        async with asyncio.timeout(5):
+            while True:
+                event = await anext(reader)
+                if isinstance(event, LiveEvent):
+                    deltas.append(event.raw)
+                elif isinstance(event, StoredEvent) and event.type == "turn.completed":
+                    break
+        assert [b'"offset":%d' % n in d for n, d in zip((0, 2, 4), deltas, strict=True)] == [True] * 3, deltas
+    finally:
+        await reader.aclose()  # type: ignore[attr-defined]
