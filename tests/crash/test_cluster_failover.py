@@ -20,6 +20,7 @@ import pytest
 import redis as redis_sync
 from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
+from redis.exceptions import ClusterDownError
 
 from channels.auth import owner_of
 from harness.store.keys import OwnerKeys, SessionKeys, job_shard, job_streams
@@ -111,18 +112,30 @@ async def load_through_failover(cluster: ValkeyCluster, tmp_path: Path, durabili
                     await asyncio.sleep(0.01)
             stop.set()
             await asyncio.wait_for(asyncio.gather(*talkers), 30)
-        client = RedisCluster.from_url(f"redis://127.0.0.1:{survivor}")
-        try:
-            for sid, mids in out.acked.items():
-                for mid in mids:
-                    if not await client.hexists(SessionKeys(sid).mids, mid):
-                        out.lost.append(mid)
-        finally:
-            await client.aclose()
+        out.lost = await unrecorded(survivor, out.acked)
     finally:
         stop.set()
         await asyncio.to_thread(svc.stop)
     return out
+
+
+async def unrecorded(port: int, acked: dict[str, list[str]]) -> list[str]:
+    """The acknowledged message ids the cluster (through node `port`) has no record of."""
+    client = RedisCluster.from_url(f"redis://127.0.0.1:{port}")
+    try:
+        async with asyncio.timeout(20):  # (a node may still say CLUSTERDOWN as the takeover settles)
+            while True:
+                try:
+                    return [
+                        mid
+                        for sid, mids in acked.items()
+                        for mid in mids
+                        if not await client.hexists(SessionKeys(sid).mids, mid)
+                    ]
+                except ClusterDownError:
+                    await asyncio.sleep(0.1)
+    finally:
+        await client.aclose()
 
 
 async def test_replica_durability_loses_no_acknowledged_message(fresh_cluster: ValkeyCluster, tmp_path: Path) -> None:
