@@ -76,7 +76,7 @@ class Reader:
                     if event.get("type") == "message.delta":
                         key = event["data"]["delta"][:22]
                         self.repeated += key in self.deltas
-                        self.deltas[key] = time.time_ns() / 1e9 - int(key[:19]) / 1e9
+                        self.deltas[key] = now - int(key[:19]) / 1e9
                     elif "id" in event:
                         self.got[event["id"]] = now - event["at"]
                         if event["id"] == self.last:

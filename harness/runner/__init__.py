@@ -283,36 +283,36 @@ class Runner:
         for the failed round stands for work not done, and is reclaimed."""
         session_id.set(sid)
         state = self._hand[sid]
-        drained = False
+        drained, slot = False, held
         try:
             if not held:
                 await self._slots.acquire()
+                slot = True
                 state.to(Phase.DRAINING)
-            try:
-                while True:
-                    mark = state.round()
-                    if not await self._drain(sid, state, first):
-                        return
-                    first = None
-                    if state.phase is Phase.ENDED:  # (let go as its last turn ended: `_ended`)
-                        return
-                    if mark is not None:
-                        self._cover(sid, mark)
-                    if not state.again:
-                        break
-            finally:
-                if state.phase is not Phase.ENDED:
-                    self._slots.release()
+            while True:
+                mark = state.round()
+                if not await self._drain(sid, state, first):
+                    return
+                if state.phase is Phase.ENDED:  # (let go as its last turn ended: `_ended`)
+                    return
+                first = None
+                if mark is not None:
+                    self._cover(sid, mark)
+                if not state.again:
+                    break
             drained = True
         except HandedOver:
             pass  # (the process drains: the session goes to another runner, below)
         finally:
             if state.phase is not Phase.ENDED:
-                self._let_go_drained(sid, state, drained)
+                self._end_drain(sid, state, drained=drained, slot=slot)
 
-    def _let_go_drained(self, sid: str, state: InHand, drained: bool) -> None:
-        """The session's drain is over: out of hand, its jobs acknowledged if it drained (else,
-        as the process drains, left to another runner; else pending, to be reclaimed)."""
+    def _end_drain(self, sid: str, state: InHand, *, drained: bool, slot: bool) -> None:
+        """The session's drain is over: its runner slot given back (`slot`: it took one), out of
+        hand, its jobs acknowledged if it drained (else, as the process drains, left to another
+        runner; else pending, to be reclaimed)."""
+        if slot:
+            self._slots.release()
         del self._hand[sid]
         if drained:
             for job in state.jobs:
@@ -331,8 +331,7 @@ class Runner:
         state.to(Phase.ENDED)
         if state.mark is not None:
             self._cover(sid, state.mark)
-        self._slots.release()
-        self._let_go_drained(sid, state, drained=True)
+        self._end_drain(sid, state, drained=True, slot=True)
         return True
 
     def _cover(self, sid: str, job: JobId) -> None:

@@ -212,12 +212,7 @@ async def test_a_reader_named_elsewhere_before_a_reply_streams_gets_all_of_it(
     web = await make_harness(agent, run_turns=False)
     reader = web.sessions.tail(sid, "0", heartbeat=60.0)
     try:
-        seen: list[str] = []
-        async with asyncio.timeout(5):
-            while "turn.completed" not in seen:  # (the first turn, replayed)
-                event = await anext(reader)
-                if isinstance(event, StoredEvent):
-                    seen.append(event.type)
+        await types_until_turn_completed(reader)  # (the first turn, replayed)
         await eventually(lambda: redis.hexists(SessionKeys(sid).readers, web.store.origin), 5)
         await worker.sessions.submit(sid, "anon", "two")
         deltas: list[bytes] = []
