@@ -7,7 +7,8 @@ posted to A; one SSE reader follows the session on A (same process: events hande
 memory) and one on B (the commit's notice comes by sharded pub/sub, then B reads the outbox).
 Latency is the reader's receipt time minus the event's `at` (stamped just before the commit is
 sent), so both include the commit's own round trip; B's minus A's is what crossing processes
-costs. Prints a table and a RESULT json line.
+costs. One turn goes first, not counted: both readers see it end before the timed turns, so
+B's process is named among the session's readers by then. Prints a table and a RESULT json line.
 
 With `--deltas N` the agent's model streams each reply as N live `message.delta` events,
 `--pace-ms` apart (`deploy/bench/agents.py`, `Stamped`: each delta's text begins with the time
@@ -87,6 +88,30 @@ class Reader:
         if last in self.got:
             self.done.set()
 
+    def clear(self) -> None:
+        """Forget what was seen so far (the warm-up turn's)."""
+        self.got.clear()
+        self.deltas.clear()
+        self.repeated = 0
+        self.last = ""
+        self.done.clear()
+
+
+async def turn(c: httpx.AsyncClient, sid: str, text: str) -> str:
+    """One turn posted to A, waited for: its last event's id."""
+    r = await c.post(f"/v1/sessions/{sid}/messages?wait=true", json={"text": text})
+    if r.status_code != 200:
+        raise BenchError(f"turn {text}: {r.status_code} {r.text[:200]}")
+    last: str = r.json()["events"][-1]["id"]
+    return last
+
+
+async def seen_by(readers: list[Reader], last: str) -> None:
+    """Wait until every reader has seen event `last`."""
+    for reader in readers:
+        reader.expect(last)
+    await asyncio.wait_for(asyncio.gather(*(r.done.wait() for r in readers)), 10)
+
 
 async def measure(a: Server, b: Server, turns: int, deltas: int) -> dict[str, Any]:
     async with httpx.AsyncClient(base_url=f"http://{HOST}:{a.port}", timeout=30) as c:
@@ -95,15 +120,16 @@ async def measure(a: Server, b: Server, turns: int, deltas: int) -> dict[str, An
         tasks = [asyncio.create_task(r.run()) for r in readers]
         try:
             await asyncio.wait_for(asyncio.gather(*(r.ready.wait() for r in readers)), 10)
+            # A turn not counted first: a reader's stream is open before its process is named
+            # among the session's readers, and live deltas are best-effort until it is (B hears
+            # of a commit only once it is named, so B's reader seeing this turn's end means it is)
+            await seen_by(readers, await turn(c, sid, "warm-up"))
+            for reader in readers:
+                reader.clear()
             last = ""
             for n in range(turns):
-                r = await c.post(f"/v1/sessions/{sid}/messages?wait=true", json={"text": f"t{n}"})
-                if r.status_code != 200:
-                    raise BenchError(f"turn {n}: {r.status_code} {r.text[:200]}")
-                last = r.json()["events"][-1]["id"]
-            for reader in readers:
-                reader.expect(last)
-            await asyncio.wait_for(asyncio.gather(*(r.done.wait() for r in readers)), 10)
+                last = await turn(c, sid, f"t{n}")
+            await seen_by(readers, last)
         finally:
             for t in tasks:
                 t.cancel()

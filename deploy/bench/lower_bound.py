@@ -30,11 +30,17 @@ Each way starts a new session every 300 turns, as the peers' sequential run does
 is the whole active history, which grows until compaction; the floor reads the last 20 items).
 
 For each: the median of each block's sequential p50, its ratio to the floor's p50 in the same
-round, and Valkey's time a turn in the scripts (`INFO commandstats`, EVALSHA) and all of its
-CPU a turn (`INFO cpu`). keel's distance from the least durable turn on its own wire splits
+round, Valkey's time a turn in the scripts (`INFO commandstats`, EVALSHA) and all of its
+CPU a turn (`INFO cpu`), and the benchmark process's own CPU a turn, user and system
+(`getrusage`: the ways' Python and its system calls). keel's distance from the least durable turn on its own wire splits
 into Valkey's share (the scripts' extra time) and keel's Python (the rest).
 
-One RESULT line (JSON) at the end: {"rounds", "turns", "ways": {name: {...}}}.
+`--busy-poll-us N` (a diagnostic, not a setting of keel): the benchmark process's event loop
+polls its sockets without blocking for up to N us before it sleeps, so that neither way pays
+this machine's wake-up from idle after each round trip (a virtual machine's sleeping core is
+slow to wake): what the ratios are when only the work each way does counts.
+
+One RESULT line (JSON) at the end: {"rounds", "turns", "busy_poll_us", "ways": {name: {...}}}.
 """
 
 from __future__ import annotations
@@ -43,6 +49,8 @@ import argparse
 import asyncio
 import hashlib
 import json
+import resource
+import selectors
 import statistics
 import sys
 import tempfile
@@ -278,6 +286,29 @@ async def valkey_usage(redis: Redis) -> tuple[float, float]:
     return float(stats.get("cmdstat_evalsha", {}).get("usec", 0)), float(cpu["used_cpu_user"] + cpu["used_cpu_sys"])
 
 
+def own_cpu() -> tuple[float, float]:
+    """This process's user and system CPU seconds so far."""
+    used = resource.getrusage(resource.RUSAGE_SELF)
+    return used.ru_utime, used.ru_stime
+
+
+def busy_poll(us: int) -> None:
+    """The event loop's selector polls for up to `us` microseconds before it blocks (`--busy-poll-us`)."""
+    blocking = selectors.EpollSelector.select
+    budget = us / 1e6
+
+    def select(self: Any, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
+        if timeout is None or timeout > 0:
+            end = time.perf_counter() + budget
+            while time.perf_counter() < end:
+                ready = blocking(self, 0)
+                if ready:
+                    return ready
+        return blocking(self, timeout)
+
+    setattr(selectors.EpollSelector, "select", select)  # noqa: B010 (a method replaced: mypy would refuse the assignment)
+
+
 async def run(port: int, turns: int, rounds: int) -> dict[str, Any]:
     redis = Redis(port=port)
     await redis.flushall()
@@ -286,6 +317,7 @@ async def run(port: int, turns: int, rounds: int) -> dict[str, Any]:
     p50: dict[str, list[float]] = {n: [] for n in names}
     script_us: dict[str, list[float]] = {n: [] for n in names}
     cpu_us: dict[str, list[float]] = {n: [] for n in names}
+    own_us: dict[str, list[tuple[float, float]]] = {n: [] for n in names}
     n = 0
     try:
         for name in names:  # warm-up: each way's first 200 turns
@@ -296,13 +328,16 @@ async def run(port: int, turns: int, rounds: int) -> dict[str, Any]:
             for name in names if r % 2 == 0 else names[::-1]:
                 await redis.config_resetstat()
                 before = await valkey_usage(redis)
+                own = own_cpu()
                 took = []
                 for _ in range(turns):
                     n += 1
                     t0 = time.perf_counter()
                     await run_turn[name](n)
                     took.append(time.perf_counter() - t0)
+                own_after = own_cpu()
                 after = await valkey_usage(redis)
+                own_us[name].append(((own_after[0] - own[0]) / turns * 1e6, (own_after[1] - own[1]) / turns * 1e6))
                 p50[name].append(statistics.median(took) * 1e3)
                 script_us[name].append((after[0] - before[0]) / turns)
                 cpu_us[name].append((after[1] - before[1]) / turns * 1e6)
@@ -318,6 +353,8 @@ async def run(port: int, turns: int, rounds: int) -> dict[str, Any]:
             "ratios": [round(x, 2) for x in ratios],
             "scripts_us_per_turn": round(statistics.median(script_us[name]), 1),
             "valkey_cpu_us_per_turn": round(statistics.median(cpu_us[name]), 1),
+            "own_user_us_per_turn": round(statistics.median(u for u, _ in own_us[name]), 1),
+            "own_system_us_per_turn": round(statistics.median(s for _, s in own_us[name]), 1),
         }
     return out
 
@@ -326,20 +363,28 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--turns", type=int, default=1500, help="turns a block (default 1500)")
     parser.add_argument("--rounds", type=int, default=6, help="rounds of the six blocks (default 6)")
+    parser.add_argument("--busy-poll-us", type=int, default=0, help="a diagnostic: poll before sleeping (0: off)")
     args = parser.parse_args()
+    if args.busy_poll_us > 0:
+        busy_poll(args.busy_poll_us)
     with tempfile.TemporaryDirectory() as tmp:
         valkey, port = start_valkey(Path(tmp), Deadline(600))
         try:
             found = asyncio.run(run(port, args.turns, args.rounds))
         finally:
             stop_process(valkey)
-    print(f"{'way':26} {'seq p50 ms':>10} {'/ floor':>8} {'scripts us':>11} {'Valkey CPU us':>14}   ratios by round")
+    print(
+        f"{'way':26} {'seq p50 ms':>10} {'/ floor':>8} {'scripts us':>11} {'Valkey CPU us':>14} {'own user us':>12}"
+        f" {'own sys us':>11}   ratios by round"
+    )
     for name, row in found.items():
         print(
             f"{name:26} {row['seq_p50_ms']:10.3f} {row['ratio_to_floor']:8.2f} {row['scripts_us_per_turn']:11.1f} "
-            f"{row['valkey_cpu_us_per_turn']:14.1f}   {row['ratios']}"
+            f"{row['valkey_cpu_us_per_turn']:14.1f} {row['own_user_us_per_turn']:12.1f}"
+            f" {row['own_system_us_per_turn']:11.1f}   {row['ratios']}"
         )
-    print("RESULT " + json.dumps({"rounds": args.rounds, "turns": args.turns, "ways": found}))
+    result = {"rounds": args.rounds, "turns": args.turns, "busy_poll_us": args.busy_poll_us, "ways": found}
+    print("RESULT " + json.dumps(result))
     return 0
 
 
