@@ -63,7 +63,8 @@ js:
 # The suites that run a second time on a real Valkey Cluster (3 primaries, 3 replicas): the
 # crash suites, the core routes, and the conversations (list, fork, policies).
 CLUSTER_SUITES := tests/channels/test_http.py tests/harness/test_approvals.py tests/channels/test_websocket.py tests/crash \
-  tests/channels/test_conversations.py tests/channels/test_fork.py tests/channels/test_policies.py tests/harness/test_catalog.py
+  tests/channels/test_conversations.py tests/channels/test_fork.py tests/channels/test_policies.py tests/harness/test_catalog.py \
+  tests/harness/test_hub.py tests/channels/test_deltas.py
 
 test: install lint typecheck browser js
 	$(BIN)/python -m pytest -q

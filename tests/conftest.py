@@ -51,6 +51,22 @@ def redis_client_for(url: str) -> Any:
     return RedisCluster.from_url(url) if ON_CLUSTER else Redis.from_url(url)
 
 
+@contextlib.asynccontextmanager
+async def channel_client(redis: Any, channel: str) -> AsyncIterator[Redis]:
+    """A client for a sharded channel (SSUBSCRIBE, SPUBLISH, PUBSUB SHARDNUMSUB): the tests'
+    own on one server; on a cluster, one for the node that owns the channel's slot (a cluster
+    client's pub/sub and PUBSUB go to no node in particular)."""
+    if not isinstance(redis, RedisCluster):
+        yield redis
+        return
+    owner = redis.get_node_from_key(channel)
+    node = Redis(host=owner.host, port=owner.port)
+    try:
+        yield node
+    finally:
+        await node.aclose()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -16,6 +16,7 @@ from harness.events import LiveEvent, StoredEvent
 from harness.models import ModelReply, ModelRequest, ScriptedModel
 from harness.store.keys import SessionKeys
 from tests.channels.slack_support import eventually
+from tests.conftest import channel_client
 
 REPLY = "a reply that streams in pieces, é and 🙂 included"
 
@@ -124,8 +125,9 @@ async def test_a_reader_in_another_process_gets_the_deltas(make_harness: Any, re
 
         task = asyncio.create_task(read())
         await asyncio.wait_for(subscribed.wait(), 5)
-        async with asyncio.timeout(5):  # the reader's process is subscribed to the session's live events
-            while not (await redis.pubsub_shardnumsub(f"keel:{{{sid}}}:live"))[0][1]:  # noqa: ASYNC110 (Redis state)
+        channel = f"keel:{{{sid}}}:live"
+        async with channel_client(redis, channel) as node, asyncio.timeout(5):  # the reader's process is subscribed
+            while not (await node.pubsub_shardnumsub(channel))[0][1]:  # noqa: ASYNC110 (Redis state)
                 await asyncio.sleep(0.01)
         # ... and named as one of its readers: live events go out only to processes named so
         await eventually(lambda: redis.hexists(SessionKeys(sid).readers, reader.store.origin), 5)
@@ -151,15 +153,16 @@ async def test_a_live_event_another_version_sends_is_skipped_not_fatal(make_harn
     tail = h.sessions.tail(sid, "0-0", heartbeat=0.2)
     try:
         channel = f"keel:{{{sid}}}:live"
-        async with asyncio.timeout(5):  # this process is subscribed to the session's live events
-            while not (await redis.pubsub_shardnumsub(channel))[0][1]:
-                await anext(tail)
         unknown = b'{"type":"message.thought","session_id":"%s","turn_id":"t","at":1.0,"data":{}}' % sid.encode()
         known = (
             b'{"type":"message.delta","session_id":"%s","turn_id":"t","at":1.0,'
             b'"data":{"item_id":"it_1","delta":"hi","offset":0}}' % sid.encode()
         )
-        await redis.execute_command("SPUBLISH", channel, b"elsewhere " + unknown + b"\n" + known)
+        async with channel_client(redis, channel) as node:
+            async with asyncio.timeout(5):  # this process is subscribed to the session's live events
+                while not (await node.pubsub_shardnumsub(channel))[0][1]:
+                    await anext(tail)
+            await node.execute_command("SPUBLISH", channel, b"elsewhere " + unknown + b"\n" + known)
         async with asyncio.timeout(5):
             while not got:
                 event = await anext(tail)

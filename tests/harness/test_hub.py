@@ -17,6 +17,7 @@ from harness.models import ModelReply, ScriptedModel
 from harness.store import bus
 from harness.store.keys import SessionKeys
 from tests.channels.slack_support import eventually
+from tests.conftest import channel_client
 
 
 async def types_until_turn_completed(reader: Any) -> list[str]:
@@ -59,23 +60,24 @@ async def test_a_reader_gets_a_turn_run_elsewhere_though_its_own_event_came_with
 async def spied(redis: Any, channel: str, turn: Any) -> list[bytes]:
     """What is published on `channel` while `turn()` runs: the messages heard before a marker
     the test publishes after it (pub/sub keeps a publisher's order, so nothing is left out)."""
-    spy = redis.pubsub()
-    await spy.ssubscribe(channel)
-    try:
-        async with asyncio.timeout(5):  # (the confirmation)
-            while (await spy.get_message(timeout=1)) is None:
-                pass
-        await turn()
-        await redis.execute_command("SPUBLISH", channel, b"marker")
-        heard: list[bytes] = []
-        async with asyncio.timeout(5):
-            while not heard or heard[-1] != b"marker":
-                message = await spy.get_message(timeout=1)
-                if message is not None and message["type"] == "smessage":
-                    heard.append(message["data"])
-        return heard[:-1]
-    finally:
-        await spy.aclose()
+    async with channel_client(redis, channel) as client:
+        spy = client.pubsub()
+        await spy.ssubscribe(channel)
+        try:
+            async with asyncio.timeout(5):  # (the confirmation)
+                while (await spy.get_message(timeout=1)) is None:
+                    pass
+            await turn()
+            await client.execute_command("SPUBLISH", channel, b"marker")
+            heard: list[bytes] = []
+            async with asyncio.timeout(5):
+                while not heard or heard[-1] != b"marker":
+                    message = await spy.get_message(timeout=1)
+                    if message is not None and message["type"] == "smessage":
+                        heard.append(message["data"])
+            return heard[:-1]
+        finally:
+            await spy.aclose()
 
 
 async def test_commit_notices_are_published_only_for_readers_in_another_process(make_harness: Any, redis: Any) -> None:
