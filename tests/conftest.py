@@ -60,7 +60,8 @@ async def channel_client(redis: Any, channel: str) -> AsyncIterator[Redis]:
         yield redis
         return
     owner = redis.get_node_from_key(channel)
-    node = Redis(host=owner.host, port=owner.port)
+    assert owner is not None, channel
+    node = Redis(host=owner.host, port=int(owner.port))
     try:
         yield node
     finally:
