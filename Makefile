@@ -61,7 +61,8 @@ js:
 	fi
 
 # The suites that run a second time on a real Valkey Cluster (3 primaries, 3 replicas): the
-# crash suites, the core routes, and the conversations (list, fork, policies).
+# crash suites, the core routes, the conversations (list, fork, policies, the owners' lists),
+# and the event hub's notices and live deltas.
 CLUSTER_SUITES := tests/channels/test_http.py tests/harness/test_approvals.py tests/channels/test_websocket.py tests/crash \
   tests/channels/test_conversations.py tests/channels/test_fork.py tests/channels/test_policies.py tests/harness/test_catalog.py \
   tests/harness/test_hub.py tests/channels/test_deltas.py

@@ -7,8 +7,8 @@ posted to A; one SSE reader follows the session on A (same process: events hande
 memory) and one on B (the commit's notice comes by sharded pub/sub, then B reads the outbox).
 Latency is the reader's receipt time minus the event's `at` (stamped just before the commit is
 sent), so both include the commit's own round trip; B's minus A's is what crossing processes
-costs. One turn goes first, not counted: both readers see it end before the timed turns, so
-B's process is named among the session's readers by then. Prints a table and a RESULT json line.
+costs. The turns begin once both processes are named among the session's readers (live deltas
+are best-effort until then). Prints a table and a RESULT json line.
 
 With `--deltas N` the agent's model streams each reply as N live `message.delta` events,
 `--pace-ms` apart (`deploy/bench/agents.py`, `Stamped`: each delta's text begins with the time
@@ -32,6 +32,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -51,6 +53,8 @@ from support import (
     stop_all,
     wait_ready,
 )
+
+from harness.store.keys import SessionKeys
 
 AGENT = "deploy.bench.agents:agent"
 
@@ -88,14 +92,6 @@ class Reader:
         if last in self.got:
             self.done.set()
 
-    def clear(self) -> None:
-        """Forget what was seen so far (the warm-up turn's)."""
-        self.got.clear()
-        self.deltas.clear()
-        self.repeated = 0
-        self.last = ""
-        self.done.clear()
-
 
 async def turn(c: httpx.AsyncClient, sid: str, text: str) -> str:
     """One turn posted to A, waited for: its last event's id."""
@@ -113,19 +109,23 @@ async def seen_by(readers: list[Reader], last: str) -> None:
     await asyncio.wait_for(asyncio.gather(*(r.done.wait() for r in readers)), 10)
 
 
-async def measure(a: Server, b: Server, turns: int, deltas: int) -> dict[str, Any]:
+async def both_named(redis: Redis | RedisCluster, sid: str) -> None:
+    """Wait until the two processes are named among the session's readers (at most 10 s)."""
+    async with asyncio.timeout(10):
+        while await redis.hlen(SessionKeys(sid).readers) < 2:  # noqa: ASYNC110 (Redis state)
+            await asyncio.sleep(0.005)
+
+
+async def measure(a: Server, b: Server, redis: Redis | RedisCluster, turns: int, deltas: int) -> dict[str, Any]:
     async with httpx.AsyncClient(base_url=f"http://{HOST}:{a.port}", timeout=30) as c:
         sid = (await c.post("/v1/sessions")).json()["session_id"]
         readers = [Reader(f"http://{HOST}:{s.port}", sid) for s in (a, b)]
         tasks = [asyncio.create_task(r.run()) for r in readers]
         try:
             await asyncio.wait_for(asyncio.gather(*(r.ready.wait() for r in readers)), 10)
-            # A turn not counted first: a reader's stream is open before its process is named
-            # among the session's readers, and live deltas are best-effort until it is (B hears
-            # of a commit only once it is named, so B's reader seeing this turn's end means it is)
-            await seen_by(readers, await turn(c, sid, "warm-up"))
-            for reader in readers:
-                reader.clear()
+            # (a reader's stream is open before its process is named among the session's readers,
+            # and live deltas are best-effort until it is: the turns begin once both are named)
+            await both_named(redis, sid)
             last = ""
             for n in range(turns):
                 last = await turn(c, sid, f"t{n}")
@@ -190,7 +190,11 @@ def main() -> int:
         with asyncio.Runner(loop_factory=new_loop) as runner:
             for s in servers:
                 runner.run(wait_ready(s, deadline))
-            result = runner.run(measure(servers[0], servers[1], args.turns, args.deltas))
+            redis = RedisCluster(host=HOST, port=port) if args.cluster else Redis(host=HOST, port=port)
+            try:
+                result = runner.run(measure(servers[0], servers[1], redis, args.turns, args.deltas))
+            finally:
+                runner.run(redis.aclose())
     except (BenchError, OSError, httpx.HTTPError) as exc:
         return show_failure("bench_crossproc", exc, servers)
     finally:

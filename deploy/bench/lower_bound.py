@@ -32,8 +32,10 @@ is the whole active history, which grows until compaction; the floor reads the l
 For each: the median of each block's sequential p50, its ratio to the floor's p50 in the same
 round, Valkey's time a turn in the scripts (`INFO commandstats`, EVALSHA) and all of its
 CPU a turn (`INFO cpu`), and the benchmark process's own CPU a turn, user and system
-(`getrusage`: the ways' Python and its system calls). keel's distance from the least durable turn on its own wire splits
-into Valkey's share (the scripts' extra time) and keel's Python (the rest).
+(`getrusage`: the ways' Python and its system calls; the split between the two is sampled at
+the kernel's tick, their sum is not), with the times it slept a turn (voluntary context
+switches). keel's distance from the least durable turn on its own wire splits into Valkey's
+share (the scripts' extra time) and keel's Python (the rest).
 
 `--busy-poll-us N` (a diagnostic, not a setting of keel): the benchmark process's event loop
 polls its sockets without blocking for up to N us before it sleeps, so that neither way pays
@@ -286,25 +288,31 @@ async def valkey_usage(redis: Redis) -> tuple[float, float]:
     return float(stats.get("cmdstat_evalsha", {}).get("usec", 0)), float(cpu["used_cpu_user"] + cpu["used_cpu_sys"])
 
 
-def own_cpu() -> tuple[float, float]:
-    """This process's user and system CPU seconds so far."""
+def own_cpu() -> tuple[float, float, float]:
+    """This process's user and system CPU seconds so far, and how many times it slept."""
     used = resource.getrusage(resource.RUSAGE_SELF)
-    return used.ru_utime, used.ru_stime
+    return used.ru_utime, used.ru_stime, float(used.ru_nvcsw)
 
 
 def busy_poll(us: int) -> None:
-    """The event loop's selector polls for up to `us` microseconds before it blocks (`--busy-poll-us`)."""
+    """The event loop's selector polls for up to `us` microseconds before it blocks
+    (`--busy-poll-us`): never past the wait it was asked for, which it then blocks out."""
     blocking = selectors.EpollSelector.select
     budget = us / 1e6
 
     def select(self: Any, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
-        if timeout is None or timeout > 0:
-            end = time.perf_counter() + budget
-            while time.perf_counter() < end:
-                ready = blocking(self, 0)
-                if ready:
-                    return ready
-        return blocking(self, timeout)
+        if timeout is not None and timeout <= 0:
+            return blocking(self, timeout)
+        start = time.perf_counter()
+        end = start + (budget if timeout is None else min(budget, timeout))
+        while True:
+            ready = blocking(self, 0)
+            now = time.perf_counter()
+            if ready or now >= end:
+                break
+        if ready or (timeout is not None and now - start >= timeout):
+            return ready
+        return blocking(self, None if timeout is None else timeout - (now - start))
 
     setattr(selectors.EpollSelector, "select", select)  # noqa: B010 (a method replaced: mypy would refuse the assignment)
 
@@ -317,7 +325,7 @@ async def run(port: int, turns: int, rounds: int) -> dict[str, Any]:
     p50: dict[str, list[float]] = {n: [] for n in names}
     script_us: dict[str, list[float]] = {n: [] for n in names}
     cpu_us: dict[str, list[float]] = {n: [] for n in names}
-    own_us: dict[str, list[tuple[float, float]]] = {n: [] for n in names}
+    own_us: dict[str, list[tuple[float, float, float]]] = {n: [] for n in names}
     n = 0
     try:
         for name in names:  # warm-up: each way's first 200 turns
@@ -337,7 +345,13 @@ async def run(port: int, turns: int, rounds: int) -> dict[str, Any]:
                     took.append(time.perf_counter() - t0)
                 own_after = own_cpu()
                 after = await valkey_usage(redis)
-                own_us[name].append(((own_after[0] - own[0]) / turns * 1e6, (own_after[1] - own[1]) / turns * 1e6))
+                own_us[name].append(
+                    (
+                        (own_after[0] - own[0]) / turns * 1e6,
+                        (own_after[1] - own[1]) / turns * 1e6,
+                        (own_after[2] - own[2]) / turns,
+                    )
+                )
                 p50[name].append(statistics.median(took) * 1e3)
                 script_us[name].append((after[0] - before[0]) / turns)
                 cpu_us[name].append((after[1] - before[1]) / turns * 1e6)
@@ -353,8 +367,9 @@ async def run(port: int, turns: int, rounds: int) -> dict[str, Any]:
             "ratios": [round(x, 2) for x in ratios],
             "scripts_us_per_turn": round(statistics.median(script_us[name]), 1),
             "valkey_cpu_us_per_turn": round(statistics.median(cpu_us[name]), 1),
-            "own_user_us_per_turn": round(statistics.median(u for u, _ in own_us[name]), 1),
-            "own_system_us_per_turn": round(statistics.median(s for _, s in own_us[name]), 1),
+            "own_user_us_per_turn": round(statistics.median(u for u, _, _ in own_us[name]), 1),
+            "own_system_us_per_turn": round(statistics.median(s for _, s, _ in own_us[name]), 1),
+            "own_sleeps_per_turn": round(statistics.median(z for _, _, z in own_us[name]), 2),
         }
     return out
 
@@ -375,13 +390,13 @@ def main() -> int:
             stop_process(valkey)
     print(
         f"{'way':26} {'seq p50 ms':>10} {'/ floor':>8} {'scripts us':>11} {'Valkey CPU us':>14} {'own user us':>12}"
-        f" {'own sys us':>11}   ratios by round"
+        f" {'own sys us':>11} {'sleeps':>7}   ratios by round"
     )
     for name, row in found.items():
         print(
             f"{name:26} {row['seq_p50_ms']:10.3f} {row['ratio_to_floor']:8.2f} {row['scripts_us_per_turn']:11.1f} "
             f"{row['valkey_cpu_us_per_turn']:14.1f} {row['own_user_us_per_turn']:12.1f}"
-            f" {row['own_system_us_per_turn']:11.1f}   {row['ratios']}"
+            f" {row['own_system_us_per_turn']:11.1f} {row['own_sleeps_per_turn']:7.2f}   {row['ratios']}"
         )
     result = {"rounds": args.rounds, "turns": args.turns, "busy_poll_us": args.busy_poll_us, "ways": found}
     print("RESULT " + json.dumps(result))
