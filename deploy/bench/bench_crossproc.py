@@ -93,22 +93,6 @@ class Reader:
             self.done.set()
 
 
-async def turn(c: httpx.AsyncClient, sid: str, text: str) -> str:
-    """One turn posted to A, waited for: its last event's id."""
-    r = await c.post(f"/v1/sessions/{sid}/messages?wait=true", json={"text": text})
-    if r.status_code != 200:
-        raise BenchError(f"turn {text}: {r.status_code} {r.text[:200]}")
-    last: str = r.json()["events"][-1]["id"]
-    return last
-
-
-async def seen_by(readers: list[Reader], last: str) -> None:
-    """Wait until every reader has seen event `last`."""
-    for reader in readers:
-        reader.expect(last)
-    await asyncio.wait_for(asyncio.gather(*(r.done.wait() for r in readers)), 10)
-
-
 async def both_named(redis: Redis | RedisCluster, sid: str) -> None:
     """Wait until the two processes are named among the session's readers (at most 10 s)."""
     async with asyncio.timeout(10):
@@ -128,8 +112,13 @@ async def measure(a: Server, b: Server, redis: Redis | RedisCluster, turns: int,
             await both_named(redis, sid)
             last = ""
             for n in range(turns):
-                last = await turn(c, sid, f"t{n}")
-            await seen_by(readers, last)
+                r = await c.post(f"/v1/sessions/{sid}/messages?wait=true", json={"text": f"t{n}"})
+                if r.status_code != 200:
+                    raise BenchError(f"turn {n}: {r.status_code} {r.text[:200]}")
+                last = r.json()["events"][-1]["id"]
+            for reader in readers:
+                reader.expect(last)
+            await asyncio.wait_for(asyncio.gather(*(r.done.wait() for r in readers)), 10)
         finally:
             for t in tasks:
                 t.cancel()

@@ -345,13 +345,8 @@ async def run(port: int, turns: int, rounds: int) -> dict[str, Any]:
                     took.append(time.perf_counter() - t0)
                 own_after = own_cpu()
                 after = await valkey_usage(redis)
-                own_us[name].append(
-                    (
-                        (own_after[0] - own[0]) / turns * 1e6,
-                        (own_after[1] - own[1]) / turns * 1e6,
-                        (own_after[2] - own[2]) / turns,
-                    )
-                )
+                user, system, sleeps = ((b - a) / turns for a, b in zip(own, own_after, strict=True))
+                own_us[name].append((user * 1e6, system * 1e6, sleeps))
                 p50[name].append(statistics.median(took) * 1e3)
                 script_us[name].append((after[0] - before[0]) / turns)
                 cpu_us[name].append((after[1] - before[1]) / turns * 1e6)
