@@ -165,11 +165,6 @@ def cluster(runs: int, deadline: Deadline) -> dict[str, Any]:
     }
 
 
-def web_cpu(load: dict[str, Any]) -> float:
-    cpu: float = load["cpu_ms_per_turn"]["web"]
-    return cpu
-
-
 def memory(runs: int, deadline: Deadline) -> dict[str, Any]:
     argv = [str(HERE / "session_memory.py"), "--idle", "0", "--hundred", "0", "--thousand", "2", "--windows", "2"]
     got = run(argv, "session_memory", deadline)
