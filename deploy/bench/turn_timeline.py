@@ -169,6 +169,7 @@ async def turns(port: int, n: int) -> tuple[list[list[tuple[str, int]]], float]:
                 marked.append(list(_marks))
             elif i == WARM_UP - 1:
                 await stats.config_resetstat()
+                await stats.delete("timeline:SUBMIT", "timeline:COMMIT")  # (the timed scripts' figures, if timed)
         evalsha = float((await stats.info("commandstats"))["cmdstat_evalsha"]["usec_per_call"])
     finally:
         await harness.stop()
@@ -227,7 +228,6 @@ async def script_split(port: int) -> dict[str, Any]:
         out = {}
         for name in ("SUBMIT", "COMMIT"):
             rows = [tuple(float(x) for x in raw.split()) for raw in await redis.lrange(f"timeline:{name}", 0, -1)]
-            rows = rows[len(rows) // 10 :]  # (the first tenth: the warm-up's share)
             total, in_calls, calls = (statistics.mean(r[k] for r in rows) for k in range(3))
             out[name] = {
                 "scripts": len(rows),
