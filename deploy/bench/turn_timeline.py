@@ -8,11 +8,11 @@ session every 300 turns), against a private Valkey (AOF everysec). Three parts, 
 
 - stages: each turn is marked where it passes from one part of keel to the next (the store's
   SUBMIT and COMMIT, each script's round trip on the wire, the turn loop, the model call, the
-  waiter), with `time.perf_counter_ns` (the marks and the wrappers that make them add about
-  30 us to a turn, against unmarked turns). For each pair of marks that follow each other in
-  the turns' most common order: the median microseconds between them. The waiter resumes while
-  COMMIT is on the wire: its stage overlaps that round trip and is not on the turn's path.
-  With them, Valkey's own time an EVALSHA (`INFO commandstats`, unmarked).
+  waiter), with `time.perf_counter_ns` (the marks and the wrappers that make them cost less
+  than the spread between runs, against unmarked turns). For each pair of marks that follow
+  each other in the turns' most common order: the median microseconds between them. The
+  waiter resumes while COMMIT is on the wire: its stage overlaps that round trip and is not on
+  the turn's path. With them, Valkey's own time an EVALSHA (`INFO commandstats`, unmarked).
 - the floor (`lower_bound.py`'s: LRANGE, then one script, on redis-py) on the same Valkey, timed
   the same way: its two round trips and its Python between them.
 - scripts: as many turns again, on a fresh Valkey, with every `redis.call` of SUBMIT and
