@@ -4,22 +4,27 @@
 
 A diagnostic, as `lower_bound.py` is: not part of `make bench`. keel in-process, as
 `bench_keel.py` runs it (`Sessions.submit_and_wait`, the zero-latency scripted model, a new
-session every 300 turns), against a private Valkey (AOF everysec). Three parts, in one run:
+session every 300 turns), `--turns` timed turns after a warm-up, in three parts, each against a
+fresh private Valkey (AOF everysec):
 
-- stages: each turn is marked where it passes from one part of keel to the next (the store's
-  SUBMIT and COMMIT, each script's round trip on the wire, the turn loop, the model call, the
-  waiter), with `time.perf_counter_ns` (the marks and the wrappers that make them cost less
-  than the spread between runs, against unmarked turns). For each pair of marks that follow
-  each other in the turns' most common order: the median microseconds between them. The
-  waiter resumes while COMMIT is on the wire: its stage overlaps that round trip and is not on
-  the turn's path. With them, Valkey's own time an EVALSHA (`INFO commandstats`, unmarked).
-- the floor (`lower_bound.py`'s: LRANGE, then one script, on redis-py) on the same Valkey, timed
-  the same way: its two round trips and its Python between them.
-- scripts: as many turns again, on a fresh Valkey, with every `redis.call` of SUBMIT and
-  COMMIT timed in Lua (`os.clock`: the server's CPU time): each script's mean time from its
-  first line to its reply, the part of it spent in `redis.call` (the command and its
-  conversions to and from Lua, the timing around each call included) and how many calls, the
-  rest being Lua's own work (its prelude, arguments, helpers, logic and reply).
+- unmarked: the turn's median, and Valkey's mean time an EVALSHA (`INFO commandstats`: keel's
+  SUBMIT and COMMIT, and a CREATE every 300 turns), as the server times it.
+- marked: each turn is marked, with `time.perf_counter_ns`, where it passes from one part of
+  keel to the next: the store's submit and commit, each script on the wire (from the store's
+  call to the wire, its arguments packed and written, until the reply is back in the calling
+  task: whatever else the process runs meanwhile is inside), the turn loop, the model call and
+  the waiter. For each pair of marks that follow each other in the turns' most common order,
+  the median us between them; and turn by turn, medians of the whole turn, each script's round
+  trip and the rest (keel's Python outside its trips). The waiter resumes while COMMIT is on
+  the wire: that stage is inside its round trip. Then the floor's turn (`lower_bound.py`'s:
+  LRANGE, then one script, on redis-py) on the same Valkey, timed the same way: its two round
+  trips, each with redis-py's own work on the command and its reply, and its Python between.
+- scripts: SUBMIT and COMMIT with every `redis.call` timed in Lua (`os.clock`: the server's CPU
+  time): Valkey's time an EVALSHA timed (against the unmarked part's: what the timing costs),
+  and each script's mean time from its first line to its reply, the part of it in
+  `redis.call` (the command and its conversions to and from Lua, and some of the timing) with
+  how many calls, and the rest (Lua's own work: its prelude, arguments, helpers, logic and
+  reply, and the rest of the timing).
 
 Prints the three and one `RESULT {json}` line.
 """
@@ -47,8 +52,8 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from agents import add, plain  # the sibling module  # noqa: E402
-from lower_bound import FLOOR, SESSION_TURNS  # the sibling module: the floor's script  # noqa: E402
-from support import Deadline, start_valkey, stop_process  # the sibling module  # noqa: E402
+from lower_bound import FLOOR, FLOOR_SHA, SESSION_TURNS  # the sibling module: the floor's script  # noqa: E402
+from support import Deadline, positive, start_valkey, stop_process  # the sibling module  # noqa: E402
 
 from app import build_harness, heap  # noqa: E402
 from app.settings import Settings  # noqa: E402
@@ -57,7 +62,6 @@ from harness.loop.modelcall import ModelCall  # noqa: E402
 from harness.loop.turn import Turn  # noqa: E402
 from harness.models import ScriptedModel  # noqa: E402
 from harness.service import sessions as service  # noqa: E402
-from harness.service import waiting  # noqa: E402
 from harness.store import protocol  # noqa: E402
 from harness.store.sessions import Store  # noqa: E402
 from harness.store.wire import Wire  # noqa: E402
@@ -65,50 +69,42 @@ from harness.store.wire import Wire  # noqa: E402
 WARM_UP = 200
 
 _marks: list[tuple[str, int]] = []
-_phase: list[str] = []  # the store call in progress: its script's round trip is named after it
 
 
 def _mark(name: str) -> None:
     _marks.append((name, time.perf_counter_ns()))
 
 
-def _marked(cls: Any, attr: str, label: str | Callable[[], str], *, phase: str = "") -> None:
-    """Mark entering and leaving the coroutine method `cls.attr` ("<label>" and "<label> done");
-    with `phase`, the script it sends meanwhile is named so."""
-    inner = getattr(cls, attr)
+def _marked(owner: Any, attr: str, label: Callable[[tuple[Any, ...]], str]) -> None:
+    """Mark entering and leaving the coroutine function `owner.attr` ("<label>" and "<label>
+    done"; `label` names the call from its arguments)."""
+    inner = getattr(owner, attr)
 
     @functools.wraps(inner)
     async def marked(*args: Any, **kwargs: Any) -> Any:
-        name = label if isinstance(label, str) else label()
-        if phase:
-            _phase.append(phase)
+        name = label(args)
         _mark(name)
         try:
             return await inner(*args, **kwargs)
         finally:
-            if phase:
-                _phase.pop()
             _mark(f"{name} done")
 
-    setattr(cls, attr, marked)
+    setattr(owner, attr, marked)
+
+
+def _script_name(args: tuple[Any, ...]) -> str:
+    """`Wire.script_with(self, sha, ...)`'s script, by its SHA1."""
+    names = {protocol.SUBMIT.sha: "SUBMIT", protocol.COMMIT.sha: "COMMIT"}
+    return f"{names.get(args[1], 'another script')} on the wire"
 
 
 def instrument_stages() -> None:
-    _marked(Store, "submit", "store.submit", phase="SUBMIT")
-    _marked(Store, "commit", "store.commit", phase="COMMIT")
-    _marked(Wire, "script_with", lambda: f"{_phase[-1] if _phase else 'a script'} on the wire")
-    _marked(Turn, "run", "turn loop")
-    _marked(ModelCall, "reply", "model call")
-    collect = waiting.collect_turn
-
-    async def waiter(*args: Any, **kwargs: Any) -> Any:
-        _mark("waiter")
-        try:
-            return await collect(*args, **kwargs)
-        finally:
-            _mark("waiter done")
-
-    setattr(service, "collect_turn", waiter)  # noqa: B010 (the name the service calls, replaced: mypy refuses it)
+    _marked(Store, "submit", lambda _: "store.submit")
+    _marked(Store, "commit", lambda _: "store.commit")
+    _marked(Wire, "script_with", _script_name)
+    _marked(Turn, "run", lambda _: "turn loop")
+    _marked(ModelCall, "reply", lambda _: "model call")
+    _marked(service, "collect_turn", lambda _: "waiter")  # (the name the service calls)
 
 
 # Every redis.call timed (os.clock: the server's CPU seconds), and counted: a local `redis` that
@@ -124,37 +120,39 @@ local redis = setmetatable({call = function(...)
 end}, {__index = __redis})
 """
 _REPLY = "local function reply(t)\n  mflush()\n  return cmsgpack.pack(t)\nend"
-_REPLY_TIMED = (
-    "local function reply(t)\n  mflush()\n  local packed = cmsgpack.pack(t)\n"
-    "  __call('RPUSH', 'timeline:{0}', string.format('%.1f %.1f %d', (__clock() - __began) * 1e6, __in_calls * 1e6,"
-    " __calls))\n  return packed\nend"
-)
+
+
+def _reply_timed(name: str) -> str:
+    """The scripts' `reply` helper, which also pushes the script's figures onto `timeline:<name>`
+    (a key of its own: not a session's, so unseen by keel)."""
+    figures = "string.format('%.1f %.1f %d', (__clock() - __began) * 1e6, __in_calls * 1e6, __calls)"
+    return (
+        "local function reply(t)\n  mflush()\n  local packed = cmsgpack.pack(t)\n"
+        f"  __call('RPUSH', 'timeline:{name}', {figures})\n  return packed\nend"
+    )
 
 
 def instrument_scripts() -> None:
-    """SUBMIT's and COMMIT's sources with their calls timed; each reply pushes its figures onto
-    `timeline:<NAME>` (a key of its own: not a session's, so unseen by keel)."""
+    """SUBMIT's and COMMIT's sources with their calls timed."""
     for name in ("SUBMIT", "COMMIT"):
         script = getattr(protocol, name)
-        assert _REPLY in script.source, "the scripts' reply helper changed: update turn_timeline.py"
-        script.source = _TIMED + script.source.replace(_REPLY, _REPLY_TIMED.replace("{0}", name), 1)
+        if _REPLY not in script.source:
+            raise SystemExit("the scripts' reply helper changed: update turn_timeline.py")
+        script.source = _TIMED + script.source.replace(_REPLY, _reply_timed(name), 1)
         script.sha = hashlib.sha1(script.source.encode()).hexdigest()
 
 
 async def turns(port: int, n: int) -> tuple[list[list[tuple[str, int]]], float]:
-    """Marks of `n` sequential turns (after the warm-up), and Valkey's mean us an EVALSHA
-    (`INFO commandstats`: SUBMIT's and COMMIT's, as the server times them)."""
+    """Marks of `n` sequential turns (after the warm-up), and Valkey's mean us an EVALSHA over
+    them (`INFO commandstats`: SUBMIT's and COMMIT's, and a CREATE every 300 turns)."""
+    agent = Agent(instructions="t", tools=[add], model=ScriptedModel(plain, keep=0))
+    harness = build_harness(Settings(), f"redis://127.0.0.1:{port}", agent)
     stats = Redis(port=port)
-    harness = build_harness(
-        Settings(),
-        f"redis://127.0.0.1:{port}",
-        Agent(instructions="t", tools=[add], model=ScriptedModel(plain, keep=0)),
-    )
-    await harness.start()
-    heap.settle(heap.THRESHOLD)
     marked: list[list[tuple[str, int]]] = []
     sid = ""
     try:
+        await harness.start()
+        heap.settle(heap.THRESHOLD)
         for i in range(WARM_UP + n):
             if i % SESSION_TURNS == 0:
                 sid = await harness.sessions.create("bench")
@@ -177,36 +175,51 @@ async def turns(port: int, n: int) -> tuple[list[list[tuple[str, int]]], float]:
     return marked, evalsha
 
 
+def _between(turn: list[tuple[str, int]], first: str, last: str) -> float:
+    at = dict(turn)  # (each mark once a turn: see `stages`)
+    return (at[last] - at[first]) / 1000
+
+
 def stages(marked: list[list[tuple[str, int]]]) -> dict[str, Any]:
-    """Median microseconds between consecutive marks, in the turns' most common order."""
-    orders = Counter(tuple(name for name, _ in turn) for turn in marked)
-    order, count = orders.most_common(1)[0]
-    same = [turn for turn in marked if tuple(name for name, _ in turn) == order]
+    """Median us between consecutive marks, in the turns' most common order; and, turn by turn,
+    each script's round trip and the rest of the turn (keel's Python outside its trips), medians."""
+    orders = [tuple(name for name, _ in turn) for turn in marked]
+    order, count = Counter(orders).most_common(1)[0]
+    if len(set(order)) != len(order):
+        raise SystemExit(f"a mark came twice in a turn: {order}")
+    same = [turn for turn, o in zip(marked, orders, strict=True) if o == order]
     steps = []
     for j in range(1, len(order)):
         us = statistics.median(turn[j][1] - turn[j - 1][1] for turn in same) / 1000
         steps.append({"from": order[j - 1], "to": order[j], "us": round(us, 1)})
-    total = statistics.median(turn[-1][1] - turn[0][1] for turn in same) / 1000
-    return {"turns": len(marked), "in_order": count, "total_us": round(total, 1), "steps": steps}
+    spans: dict[str, list[float]] = {"turn": [], "SUBMIT's trip": [], "COMMIT's trip": [], "outside the trips": []}
+    for turn in same:
+        total = _between(turn, "caller", "caller done")
+        trips = [_between(turn, f"{s} on the wire", f"{s} on the wire done") for s in ("SUBMIT", "COMMIT")]
+        for name, value in zip(spans, (total, *trips, total - sum(trips)), strict=True):
+            spans[name].append(value)
+    medians = {name: round(statistics.median(values), 1) for name, values in spans.items()}
+    return {"turns": len(marked), "in_order": count, "steps": steps, "spans": medians}
 
 
 async def floor(port: int, n: int) -> dict[str, float]:
-    """The floor's sequential turn, timed the same way: its two round trips (each with redis-py's
-    own work on the command and its reply) and its Python between them, median us."""
+    """The floor's sequential turn as `lower_bound.py` makes it, timed the same way: its two round
+    trips (each with redis-py's own work on the command and its reply) and its Python between
+    them, median us."""
     redis = Redis(port=port)
-    script = redis.register_script(FLOOR)
     parts: list[tuple[int, int, int]] = []
     try:
+        await redis.script_load(FLOOR)
         for i in range(WARM_UP + n):
             hist, events = f"floor:{i // SESSION_TURNS}:hist", f"floor:{i // SESSION_TURNS}:events"
             t0 = time.perf_counter_ns()
             raw = await redis.lrange(hist, -20, -1)
             t1 = time.perf_counter_ns()
             history = [json.loads(x) for x in raw]
-            user, reply = {"role": "user", "content": "hello"}, {"role": "assistant", "content": f"hi ({len(history)})"}
-            args: list[str | int] = [json.dumps(user), json.dumps(reply), i]
+            user = json.dumps({"role": "user", "content": "hello"})
+            reply = json.dumps({"role": "assistant", "content": f"hi ({len(history)} items seen)"})
             t2 = time.perf_counter_ns()
-            await script(keys=[hist, events], args=args)
+            await redis.evalsha(FLOOR_SHA, 2, hist, events, user, reply, i)
             t3 = time.perf_counter_ns()
             if i >= WARM_UP:
                 parts.append((t1 - t0, t2 - t1, t3 - t2))
@@ -223,6 +236,7 @@ async def floor(port: int, n: int) -> dict[str, float]:
 
 
 async def script_split(port: int) -> dict[str, Any]:
+    """The timed scripts' figures, means over the timed turns."""
     redis = Redis(port=port)
     try:
         out = {}
@@ -241,44 +255,62 @@ async def script_split(port: int) -> dict[str, Any]:
         await redis.aclose()
 
 
+def _on_valkey(tmp: Path, part: str, run: Callable[[int], Any]) -> Any:
+    """`run(port)` against a fresh private Valkey of its own."""
+    (tmp / part).mkdir()
+    valkey, port = start_valkey(tmp / part, Deadline(600))
+    try:
+        return run(port)
+    finally:
+        stop_process(valkey)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--turns", type=int, default=2000, help="timed turns (default 2000)")
+    parser.add_argument("--turns", type=positive, default=2000, help="timed turns a part (default 2000)")
     args = parser.parse_args()
-    instrument_stages()
+    n = args.turns
     with tempfile.TemporaryDirectory() as tmp:
-        for part in ("stages", "scripts"):
-            (Path(tmp) / part).mkdir()
-        valkey, port = start_valkey(Path(tmp) / "stages", Deadline(600))
-        try:
-            marked, evalsha = asyncio.run(turns(port, args.turns))
-            found = stages(marked) | {"evalsha_us": round(evalsha, 1)}
-            bare = asyncio.run(floor(port, args.turns))
-        finally:
-            stop_process(valkey)
+        plain_turns, evalsha = _on_valkey(Path(tmp), "unmarked", lambda port: asyncio.run(turns(port, n)))
+        unmarked = statistics.median(_between(turn, "caller", "caller done") for turn in plain_turns)
+        instrument_stages()
+
+        def marked_then_floor(port: int) -> tuple[dict[str, Any], dict[str, float]]:
+            marked, _ = asyncio.run(turns(port, n))
+            return stages(marked), asyncio.run(floor(port, n))
+
+        found, bare = _on_valkey(Path(tmp), "marked", marked_then_floor)
         instrument_scripts()
-        valkey, port = start_valkey(Path(tmp) / "scripts", Deadline(600))
-        try:
-            asyncio.run(turns(port, args.turns))
-            split = asyncio.run(script_split(port))
-        finally:
-            stop_process(valkey)
-    print(f"stages: median us between marks, {found['in_order']} of {found['turns']} turns in this order")
+
+        def timed(port: int) -> tuple[float, dict[str, Any]]:
+            _, timed_evalsha = asyncio.run(turns(port, n))
+            return timed_evalsha, asyncio.run(script_split(port))
+
+        timed_evalsha, split = _on_valkey(Path(tmp), "scripts", timed)
+    spans = found["spans"]
+    print(f"unmarked: the turn {unmarked:.1f} us (median), Valkey's time an EVALSHA {evalsha:.1f} us (mean)")
+    print(f"marked: median us between marks, {found['in_order']} of {found['turns']} turns in this order")
     for step in found["steps"]:
         print(f"  {step['from']:>26} -> {step['to']:<26} {step['us']:7.1f}")
-    print(f"  {'the turn':>26}    {'':<26} {found['total_us']:7.1f}")
-    print(f"  (Valkey's time an EVALSHA, SUBMIT's and COMMIT's, unmarked: {found['evalsha_us']:.1f} us)")
+    print("  turn by turn, medians: " + ", ".join(f"{name} {us:.1f}" for name, us in spans.items()))
     print(
         f"the floor, same Valkey: LRANGE's trip {bare['lrange_trip_us']:.1f}, its Python {bare['python_us']:.1f}, "
         f"its script's trip {bare['script_trip_us']:.1f}; the turn {bare['total_us']:.1f}"
     )
-    print("scripts: mean us a script, Lua's own CPU clock")
+    print(f"scripts timed: Valkey's time an EVALSHA {timed_evalsha:.1f} us (mean); a script's means, Lua's clock:")
     for name, row in split.items():
         print(
             f"  {name:7} in the script {row['in_script_us']:6.1f}, in {row['calls']:4.1f} redis.call "
             f"{row['redis_call_us']:6.1f}, the rest of the Lua {row['rest_of_lua_us']:6.1f}"
         )
-    print("RESULT " + json.dumps({"turns": args.turns, "stages": found, "floor": bare, "scripts": split}))
+    result = {
+        "turns": n,
+        "unmarked": {"turn_us": round(unmarked, 1), "evalsha_us": round(evalsha, 1)},
+        "marked": found,
+        "floor": bare,
+        "scripts": {"evalsha_us": round(timed_evalsha, 1), **split},
+    }
+    print("RESULT " + json.dumps(result))
     return 0
 
 
