@@ -16,7 +16,11 @@ it was sent), and the readers time those too: on A they are handed over in memor
 come by the session's channel (published because B is named in the session's `readers`). Each
 reader must get every delta once.
 
-    .venv/bin/python deploy/bench/bench_crossproc.py [--turns 300] [--cluster] [--deltas 20 --pace-ms 5]
+With `--pin`, A runs alone on the first CPU and everything else (B, Valkey, this driver) on the
+others: on a small machine, where A lands otherwise decides whether it is descheduled as it
+writes a commit's events to its reader (docs/benchmarks.md), and so how A compares with B.
+
+    .venv/bin/python deploy/bench/bench_crossproc.py [--turns 300] [--cluster] [--deltas 20 --pace-ms 5] [--pin]
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import signal
 import sys
 import tempfile
@@ -57,6 +62,18 @@ from support import (
 from harness.store.keys import SessionKeys
 
 AGENT = "deploy.bench.agents:agent"
+# Runs the command after the CPU's number on that CPU alone (its threads inherit the mask).
+PINNED = "import os, sys; os.sched_setaffinity(0, {int(sys.argv[1])}); os.execv(sys.argv[2], sys.argv[2:])"
+
+
+def pin_apart() -> list[str]:
+    """This process (and so what it starts from now on) on every CPU but the first; the prefix
+    that starts a command on the first alone."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        raise SystemExit("--pin needs two CPUs")
+    os.sched_setaffinity(0, set(cpus[1:]))
+    return [sys.executable, "-c", PINNED, str(cpus[0])]
 
 
 class Reader:
@@ -152,7 +169,9 @@ def main() -> int:
     p.add_argument("--cluster", action="store_true", help="a Valkey Cluster (3 primaries, 3 replicas)")
     p.add_argument("--deltas", type=int, default=0, help="live deltas a reply, timed too (0: none)")
     p.add_argument("--pace-ms", type=float, default=5.0, help="with --deltas: the model's pause between two deltas")
+    p.add_argument("--pin", action="store_true", help="A alone on the first CPU; B, Valkey and this driver on the rest")
     args = p.parse_args()
+    alone = pin_apart() if args.pin else []
     agent, env = AGENT, {}
     if args.deltas:
         agent = "deploy.bench.agents:stamped"
@@ -171,10 +190,10 @@ def main() -> int:
             port = cluster.primaries[0]
         else:
             valkey, port = start_valkey(work, deadline)
-        for name, extra in (("A", env), ("B", {**env, "KEEL_RUN_TURNS": "0"})):
+        for name, extra, prefix in (("A", env, alone), ("B", {**env, "KEEL_RUN_TURNS": "0"}, [])):
             s = Server(name, free_port(), work / f"{name}.log")
             (work / name).mkdir()
-            s.start([sys.executable, "-m", "app"], keel_env(port, s, work / name, agent, extra))
+            s.start([*prefix, sys.executable, "-m", "app"], keel_env(port, s, work / name, agent, extra))
             servers.append(s)
         with asyncio.Runner(loop_factory=new_loop) as runner:
             for s in servers:
@@ -191,6 +210,7 @@ def main() -> int:
         if cluster is not None:
             cluster.stop()
     result["redis"] = "cluster" if args.cluster else "server"
+    result["pinned"] = args.pin
     print(f"{'reader':<22}{'p50 ms':>10}{'p99 ms':>10}")
     for name in (
         "same",
