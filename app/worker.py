@@ -42,8 +42,8 @@ async def run(settings: Settings, url: str) -> None:
 
 def new_loop() -> asyncio.AbstractEventLoop:
     """The worker's event loop: uvloop where it is installed (uvicorn[standard] brings it, and
-    the web process runs on it: uvicorn's `loop="auto"`), else asyncio's own. A sequential turn
-    costs a tenth less CPU on uvloop (docs/benchmarks.md)."""
+    the web process runs on it: uvicorn's `loop="auto"`), else asyncio's own. The worker's CPU a
+    sequential turn is 6-8% lower on uvloop (docs/benchmarks.md, "The worker's event loop")."""
     try:
         import uvloop
     except ImportError:
