@@ -24,7 +24,8 @@ fresh private Valkey (AOF everysec):
   and each script's mean time from its first line to its reply, the part of it in
   `redis.call` (the command and its conversions to and from Lua, and some of the timing) with
   how many calls, and the rest (Lua's own work: its prelude, arguments, helpers, logic and
-  reply, and the rest of the timing).
+  reply, and the rest of the timing); and the part in `redis.call` by command (its time and
+  its calls a script: which commands a storage redesign would save most by).
 
 Prints the three and one `RESULT {json}` line.
 """
@@ -107,15 +108,19 @@ def instrument_stages() -> None:
     _marked(service, "collect_turn", lambda _: "waiter")  # (the name the service calls)
 
 
-# Every redis.call timed (os.clock: the server's CPU seconds), and counted: a local `redis` that
-# shadows the global one for the whole script (its helpers are local functions of the same chunk).
+# Every redis.call timed (os.clock: the server's CPU seconds), and counted, in all and by command:
+# a local `redis` that shadows the global one for the whole script (its helpers are local
+# functions of the same chunk).
 _TIMED = """local __redis, __clock = redis, os.clock
 local __call = __redis.call
-local __began, __in_calls, __calls = __clock(), 0, 0
-local redis = setmetatable({call = function(...)
+local __began, __in_calls, __calls, __by = __clock(), 0, 0, {}
+local redis = setmetatable({call = function(name, ...)
   local t = __clock()
-  local r = __call(...)
-  __in_calls, __calls = __in_calls + (__clock() - t), __calls + 1
+  local r = __call(name, ...)
+  local dt = __clock() - t
+  __in_calls, __calls = __in_calls + dt, __calls + 1
+  local c = __by[name]
+  if c then c[1], c[2] = c[1] + dt, c[2] + 1 else __by[name] = {dt, 1} end
   return r
 end}, {__index = __redis})
 """
@@ -126,9 +131,11 @@ def _reply_timed(name: str) -> str:
     """The scripts' `reply` helper, which also pushes the script's figures onto `timeline:<name>`
     (a key of its own: not a session's, so unseen by keel)."""
     figures = "string.format('%.1f %.1f %d', (__clock() - __began) * 1e6, __in_calls * 1e6, __calls)"
+    by_command = "for c, v in pairs(__by) do f[#f + 1] = string.format('%s:%.2f:%d', c, v[1] * 1e6, v[2]) end"
     return (
         "local function reply(t)\n  mflush()\n  local packed = cmsgpack.pack(t)\n"
-        f"  __call('RPUSH', 'timeline:{name}', {figures})\n  return packed\nend"
+        f"  local f = {{{figures}}}\n  {by_command}\n"
+        f"  __call('RPUSH', 'timeline:{name}', table.concat(f, ' '))\n  return packed\nend"
     )
 
 
@@ -241,14 +248,27 @@ async def script_split(port: int) -> dict[str, Any]:
     try:
         out = {}
         for name in ("SUBMIT", "COMMIT"):
-            rows = [tuple(float(x) for x in raw.split()) for raw in await redis.lrange(f"timeline:{name}", 0, -1)]
+            listed = await redis.lrange(f"timeline:{name}", 0, -1)
+            raws = [(raw.decode() if isinstance(raw, bytes) else raw).split() for raw in listed]
+            rows = [tuple(float(x) for x in raw[:3]) for raw in raws]
             total, in_calls, calls = (statistics.mean(r[k] for r in rows) for k in range(3))
+            by: dict[str, list[float]] = {}  # command -> [us, calls], summed over the scripts
+            for raw in raws:
+                for part in raw[3:]:
+                    command, us, n = part.rsplit(":", 2)
+                    sums = by.setdefault(command.upper(), [0.0, 0.0])
+                    sums[0] += float(us)
+                    sums[1] += int(n)
             out[name] = {
                 "scripts": len(rows),
                 "in_script_us": round(total, 1),
                 "redis_call_us": round(in_calls, 1),
                 "calls": round(calls, 1),
                 "rest_of_lua_us": round(total - in_calls, 1),
+                "by_command": {
+                    command: {"us": round(us / len(rows), 2), "calls": round(n / len(rows), 2)}
+                    for command, (us, n) in sorted(by.items(), key=lambda kv: -kv[1][0])
+                },
             }
         return out
     finally:
@@ -302,6 +322,10 @@ def main() -> int:
         print(
             f"  {name:7} in the script {row['in_script_us']:6.1f}, in {row['calls']:4.1f} redis.call "
             f"{row['redis_call_us']:6.1f}, the rest of the Lua {row['rest_of_lua_us']:6.1f}"
+        )
+        print(
+            "    by command, us (calls) a script: "
+            + ", ".join(f"{c} {v['us']:.1f} ({v['calls']:.3g})" for c, v in row["by_command"].items())
         )
     result = {
         "turns": n,
