@@ -8,6 +8,8 @@ import os
 import signal
 import sys
 
+from uvicorn.loops.auto import auto_loop_factory
+
 from app import build_harness, heap
 from app import traces as app_tracing
 from app.__main__ import prepare
@@ -40,15 +42,10 @@ async def run(settings: Settings, url: str) -> None:
     await harness.stop()
 
 
-def new_loop() -> asyncio.AbstractEventLoop:
-    """The worker's event loop: uvloop where it is installed (uvicorn[standard] brings it, and
-    the web process runs on it: uvicorn's `loop="auto"`), else asyncio's own. The worker's CPU a
-    sequential turn is 6-8% lower on uvloop (docs/benchmarks.md, "The worker's event loop")."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.new_event_loop()
-    return uvloop.new_event_loop()
+# The worker's event loop, chosen as uvicorn chooses the web process's (`loop="auto"`): uvloop
+# where it is installed (uvicorn[standard] brings it), else asyncio's own. The worker's CPU a
+# sequential turn is 6-8% lower on uvloop (docs/benchmarks.md, "The worker's event loop").
+new_loop = auto_loop_factory()
 
 
 def main() -> int:

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
 
+from uvicorn.loops.auto import auto_loop_factory
+
 REPO = Path(__file__).resolve().parents[2]
 HOST = "127.0.0.1"
 READY_TIMEOUT_S = 30.0
@@ -247,13 +249,9 @@ def on_signal(signum: int, frame: object) -> NoReturn:
     raise SystemExit(128 + signum)
 
 
-def new_loop() -> asyncio.AbstractEventLoop:
-    """uvloop when installed (as uvicorn uses): the client's own CPU cost matters on a small machine."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.new_event_loop()
-    return uvloop.new_event_loop()
+# uvloop when installed, as uvicorn chooses it (its own factory): the client's own CPU cost
+# matters on a small machine.
+new_loop = auto_loop_factory()
 
 
 async def wait_ready(server: Server, deadline: Deadline) -> None:
