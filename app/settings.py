@@ -203,6 +203,11 @@ class Settings:
             mcp_servers=_mcp(env),
             gc_threshold=_int(env, "KEEL_GC_THRESHOLD", GC_THRESHOLD, low=0),
         )
+        if settings.event_retention_ms < settings.idempotency_ms:
+            raise SettingsError(
+                "KEEL_EVENT_RETENTION_HOURS must be at least KEEL_IDEMPOTENCY_HOURS: a message sent again within "
+                "its id's window is answered from its turn's events, which must still be kept"
+            )
         if settings.durability not in ("primary", "replica"):
             raise SettingsError(f"KEEL_DURABILITY must be primary or replica, not {settings.durability!r}")
         if settings.log_format not in ("text", "json"):

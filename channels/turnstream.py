@@ -31,6 +31,7 @@ from harness.errors import Conflict, NotFound
 from harness.events import (
     Event,
     InputRequested,
+    InputResolved,
     LiveEvent,
     MessageDelta,
     SessionDeleted,
@@ -41,6 +42,7 @@ from harness.events import (
 from harness.types import Armed
 
 Followed = Event | MessageDelta
+Muted = Literal["muted", "last", "open"]  # an event replayed to the translator only, the last such, or the first sent
 
 
 class Answer(NamedTuple):
@@ -187,11 +189,13 @@ class TurnReader:
         after: str,
         translator: Translator,
         *,
-        muted_until: Callable[[Followed], bool] | None = None,
+        muted: Callable[[Followed], Muted] | None = None,
         armed: Armed | None = None,
     ) -> AsyncIterator[bytes]:
         """The translator's frames for the turn, from its opening to its closing: after the
-        turn's outcome, or the approval requests it waits on (those still open when read)."""
+        turn's outcome, or the approval requests it waits on (those still open when read).
+        `muted`: the events the client was sent already (fed to the translator, not sent), up to
+        the `last` of them or the first `open` one."""
         yield translator.opening()
         async with contextlib.aclosing(self.follow(turn_id, after, armed)) as events:
             async for event in events:
@@ -202,11 +206,13 @@ class TurnReader:
                     yield translator.closing(event)
                     return
                 out = translator.feed(event)
-                if muted_until is not None:
-                    if not muted_until(event):
+                if muted is not None:
+                    verdict = muted(event)
+                    if verdict == "muted":
                         continue
-                    muted_until = None  # (the requests answered: what follows is new to the client)
-                    out = b""
+                    muted = None  # (what follows is new to the client)
+                    if verdict == "last":
+                        out = b""
                 if out:
                     yield out
                 if isinstance(event, ENDINGS):
@@ -248,10 +254,17 @@ class TurnReader:
             raise
         ids = {a.request_id for a in answers}
 
-        def asked(event: Followed) -> bool:
-            return isinstance(event, InputRequested) and any(r.request_id in ids for r in event.data.requests)
+        def replayed(event: Followed) -> Muted:
+            """The turn up to its requests, which the stream that asked sent; if they are no
+            longer kept (asked longer ago than the event window, with all before them), what
+            follows their answers' input.resolved."""
+            if isinstance(event, InputRequested) and any(r.request_id in ids for r in event.data.requests):
+                return "last"
+            if isinstance(event, InputResolved) and event.data.request_id in ids:
+                return "open"
+            return "muted"
 
-        return self.frames(turn_id, after, translator, muted_until=asked, armed=armed)
+        return self.frames(turn_id, after, translator, muted=replayed, armed=armed)
 
     async def _waits_on(self, asked: InputRequested) -> InputRequested | None:
         """The requests of `asked` the turn still waits on (None: all answered; it went on)."""

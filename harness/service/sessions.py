@@ -432,10 +432,12 @@ class Sessions:
         return streamids.before(begins) if begins is not None else None
 
     async def turn_asking(self, sid: str, owner: str, request_id: str) -> str | None:
-        """The id of the turn that made approval request `request_id`, if the outbox holds it."""
+        """The id of the turn that made approval request `request_id`, if the session has it
+        (however long ago it was asked: its event may have left the outbox)."""
         check_session_id(sid)
         await self.store.look(sid, owner)
-        return await self.store.outbox.turn_asking(sid, request_id)
+        request = await self.store.request(sid, request_id)
+        return request.turn_id if request is not None else None
 
     @staticmethod
     def before(event_id: str) -> str:

@@ -116,9 +116,12 @@ local function event_window()  -- events kept by age: the window (ARGV[3], ms; 0
   local age = tonumber(ARGV[3] or 0) or 0
   return age, math.max(1, math.floor(age / 100))
 end
-local function remembered(mid)  -- a message id kept for the idempotency window (ARGV[4], ms)
+local function windowed(key, fields)  -- hash fields kept for the idempotency window from now (ARGV[4], ms)
   local ms = tonumber(ARGV[4] or 0)
-  if ms and ms > 0 then redis.call('HPEXPIRE', K.mids, ms, 'FIELDS', 1, mid) end
+  if ms and ms > 0 and #fields > 0 then redis.call('HPEXPIRE', key, ms, 'FIELDS', #fields, unpack(fields)) end
+end
+local function remembered(mid)  -- a message id kept for the window
+  windowed(K.mids, {mid})
 end
 """
 

@@ -159,10 +159,12 @@ if head and A.max_queued > 0 and redis.call('LLEN', K.inbox) > A.max_queued then
 mset('updated_at', A.at)
 mset('preview', A.preview)
 if not mget('title') then mset('title', A.title) end
-local function known_as(turn_id, id)  -- the message id's turn and event, once and for all
+-- the message id's turn and event, once and for all: with no end while its turn is to come, runs
+-- or waits (a resend is the same message however long that takes); its window starts as that
+-- turn ends (COMMIT's 'final')
+local function known_as(turn_id, id)
   redis.call('HSET', K.mids, A.message_id, turn_id .. ' ' .. id)
   if meta_expiry() > 0 and redis.call('HLEN', K.mids) == 1 then expire_new(K.mids) end
-  remembered(A.message_id)
 end
 local message_turn = h and (h.kind or 'message') == 'message' and h.turn_id == mget('turn')
 if h and A.policy == 'steer' and message_turn and mget('status') == 'running' then
@@ -232,7 +234,7 @@ COMMIT = (
     # (with those a turn's end sets: unchanged ones are not written)
     + meta_reads(
         "owner turn cancel seq u_in u_out u_cached u_calls hist_base interrupts ob_due status held waiting_on undecided"
-        " announced"
+        " announced joined asked"
     )
     + """
 if not mget('owner') then return reply({tag = 'stale'}) end
@@ -264,7 +266,12 @@ if A.rebase then
   local rebased = {hist_start = before, turn_start = before + A.rebase, hist_base = base, last_in = 0, last_est = 0}
   msets(rebased)
 end
-for _, r in ipairs(A.requests) do redis.call('HSET', K.pending, r.request_id, r.json) end
+local asked = {}  -- (the turn's requests: their window starts as it ends)
+for _, r in ipairs(A.requests) do
+  redis.call('HSET', K.pending, r.request_id, r.json)
+  asked[#asked + 1] = r.request_id
+end
+if #asked > 0 then mset('asked', ((mget('asked') or '') .. ' ' .. table.concat(asked, ' '))) end
 local resolved = {}  -- which of the given answers were set (and emitted), 0-based
 for j, a in ipairs(A.answers) do
   if redis.call('HSETNX', K.decisions, a.request_id, a.json) == 1 then
@@ -282,15 +289,20 @@ if A.attempt and not cancel then mincr('u_calls', 1) end
 -- user items of the turn, after what it appended (the take and the items are one write)
 local steered = {}
 if A.attempt and not cancel and A.mode == 'step' then
+  local joined = {}
   for _, entry in ipairs(redis.call('LRANGE', K.steer, 0, -1)) do
     local m = cjson.decode(entry)
     apply_sticky(m.sticky)  -- (its keyed page context: for the turns that follow)
+    joined[#joined + 1] = m.message_id
     steered[#steered + 1] = '{"id":' .. cjson.encode('it_' .. A.turn_id .. '_s_' .. m.turn_id) ..
       ',"role":"user","text":' .. cjson.encode(m.text) .. ',"turn_id":' .. cjson.encode(A.turn_id) ..
       ',"message_id":' .. cjson.encode(m.message_id) .. '}'
     length = redis.call('RPUSH', K.history, steered[#steered]) + base
   end
-  if #steered > 0 then redis.call('DEL', K.steer) end
+  if #steered > 0 then
+    redis.call('DEL', K.steer)
+    mset('joined', ((mget('joined') or '') .. ' ' .. table.concat(joined, ' ')))  -- (their ids' windows: `final`)
+  end
 end
 local out = {tag = 'ok', ids = ids, length = length, cancel = cancel, first_seq = first_seq, resolved = resolved,
   steered = steered}
@@ -304,7 +316,22 @@ if A.mode == 'pause' then
     out.tag = 'paused'
   end
 elseif A.mode == 'final' then
-  redis.call('LPOP', K.inbox)
+  local done = redis.call('LPOP', K.inbox)
+  -- the turn's message ids (its own, and those steered into it) are remembered for the window
+  -- from now on (a compact's or clear's entry has no recorded id: nothing to expire)
+  local ids = {}
+  for mid in string.gmatch(mget('joined') or '', '%S+') do ids[#ids + 1] = mid end
+  if done then  -- (an id of other characters, escaped in the entry's JSON: decoded)
+    ids[#ids + 1] = string.match(done, '^{"message_id":"([%w._:%-]*)"') or cjson.decode(done).message_id
+  end
+  windowed(K.mids, ids)
+  mset('joined', false)
+  -- and so are its approval requests and their answers (a repeated answer: the same one)
+  local rids = {}
+  for rid in string.gmatch(mget('asked') or '', '%S+') do rids[#rids + 1] = rid end
+  windowed(K.pending, rids)
+  windowed(K.decisions, rids)
+  mset('asked', false)
   -- messages steered into the turn that no model call took run next, in the order they came,
   -- each a turn of its own now (its message.received written last, after the commit's events)
   local waiting = redis.call('LRANGE', K.steer, 0, -1)
@@ -314,8 +341,7 @@ elseif A.mode == 'final' then
     local data = '{"message_id":' .. cjson.encode(m.message_id) .. ',"text":' .. cjson.encode(m.text) .. '}'
     local received = body(m.turn_id, A.at, data)
     local rid = emit(A.retention, EV.MessageReceived, received)
-    redis.call('HSET', K.mids, m.message_id, m.turn_id .. ' ' .. rid)
-    remembered(m.message_id)
+    redis.call('HSET', K.mids, m.message_id, m.turn_id .. ' ' .. rid)  -- (a turn to come: no window yet)
     out.received[#out.received + 1] = {id = rid, seq = last_seq, body = received}
   end
   -- (they run first, but after the messages that interrupted the turn: those run next; an

@@ -127,6 +127,9 @@ class Store:
         idempotency_ms: int = DAY_MS,
         stats: HarnessStats | None = None,
     ) -> None:
+        if 0 < retention_ms < idempotency_ms or (retention_ms > 0 and idempotency_ms == 0):
+            # (a message sent again within its id's window is answered from its turn's events)
+            raise ValueError("events must be kept at least as long as message ids (retention_ms >= idempotency_ms)")
         self.redis = redis
         # every script goes this way; with `replicas`, each waits for that many (KEEL_DURABILITY)
         # (this process's name to the others: its scripts' notices skip it, its live events too)
@@ -644,6 +647,12 @@ class Store:
         return Recorded(answer, event, runnable=res.left == 0, job=job)
 
     @translated
+    @translated
+    async def request(self, sid: str, request_id: str) -> ApprovalRequest | None:
+        """Approval request `request_id` of the session, if it has it (answered or not)."""
+        raw = await self.redis.hget(SessionKeys(sid).pending, request_id)
+        return request_decoder.decode(raw) if raw is not None else None
+
     async def open_requests(self, sid: str, meta: SessionMeta) -> list[ApprovalRequest]:
         """The paused turn's requests that have no answer yet, in the order they were made."""
         if not meta.waiting_on:

@@ -7,16 +7,23 @@ on the way: `history`, turns, the cache of history and forks go on as before."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 from redis.asyncio import Redis
 
+from app.settings import Settings, SettingsError
 from harness import Agent, Harness
+from harness.errors import NotFound
+from harness.ids import new_id
 from harness.loop.compaction import Compaction
 from harness.models import ModelReply, ModelRequest, ScriptedModel
+from harness.store import AlreadyAnswered, Begun, Store
 from harness.store.keys import SessionKeys
+from harness.types import InboxMessage
 from tests.channels.slack_support import eventually
+from tests.harness.test_approvals import gated_agent
 
 
 def echo() -> ScriptedModel:
@@ -35,7 +42,7 @@ async def say(h: Harness, sid: str, text: str, message_id: str | None = None) ->
 
 
 async def test_events_older_than_the_window_leave_the_outbox(make_harness: Any, redis: Redis) -> None:
-    h: Harness = await make_harness(Agent(instructions="t", model=echo()), event_retention_ms=400)
+    h: Harness = await make_harness(Agent(instructions="t", model=echo()), event_retention_ms=400, idempotency_ms=400)
     sid = await h.sessions.create("o")
     outbox = SessionKeys(sid).outbox
     for n in range(40):  # 5 events a turn: two stream nodes of 100 and more
@@ -54,7 +61,7 @@ async def test_events_older_than_the_window_leave_the_outbox(make_harness: Any, 
 
 
 async def test_a_session_left_alone_keeps_no_events_and_goes_on(make_harness: Any, redis: Redis) -> None:
-    h: Harness = await make_harness(Agent(instructions="t", model=echo()), event_retention_ms=300)
+    h: Harness = await make_harness(Agent(instructions="t", model=echo()), event_retention_ms=300, idempotency_ms=300)
     sid = await h.sessions.create("o")
     await say(h, sid, "hello")
     keys = SessionKeys(sid)
@@ -88,6 +95,79 @@ async def test_a_message_id_is_the_same_message_within_the_window_only(make_harn
     later = await say(h, sid, "pay", message_id="order-1")  # a new message now
     assert later.events[0].decoded().turn_id != first.events[0].decoded().turn_id
     assert [i.text for i in await h.sessions.history(sid, "o")].count("pay") == 2
+
+
+async def window_passed(redis: Redis, ms: int) -> None:
+    """Until `ms` of the server's time passed from now: a probe field with that expiry is gone."""
+    probe = f"probe:{new_id('w')}"
+    await redis.hset(probe, "f", "1")
+    await redis.execute_command("HPEXPIRE", probe, ms, "FIELDS", 1, "f")
+
+    async def gone() -> bool:
+        return not await redis.exists(probe)
+
+    await eventually(gone, 5)
+
+
+async def test_a_message_id_is_remembered_while_its_turn_waits_and_the_window_after(
+    make_harness: Any, redis: Redis
+) -> None:
+    """A client resends the message of a turn that still waits for approval, later than the
+    window (a reconnecting UI resends what it has no answer for): its turn is in progress, so it
+    is the same message, not a second turn. The window starts when the turn ends."""
+    agent, _ = gated_agent([])
+    h: Harness = await make_harness(agent, idempotency_ms=300)
+    sid = await h.sessions.create("anon")
+    first = await h.sessions.submit_and_wait(sid, "anon", "delete /x", context=None, message_id="m1", timeout=10)
+    assert first.status == "waiting"
+    await window_passed(redis, 300)
+    again = await h.sessions.submit(sid, "anon", "delete /x", message_id="m1")
+    assert again.duplicate and again.turn_id == first.events[0].decoded().turn_id
+    assert await h.store.queued(sid) == 1  # (the waiting turn's message only)
+    (rid,) = await h.sessions.pending(sid, "anon")
+    assert (await h.sessions.respond_and_wait(sid, "anon", rid, "approve", timeout=10)).status == "completed"
+    mids = SessionKeys(sid).mids
+    assert 0 < (await redis.hpttl(mids, "m1"))[0] <= 300  # from the turn's end
+
+    async def forgotten() -> bool:
+        return not await redis.hexists(mids, "m1")
+
+    await eventually(forgotten, 5)
+    received = [e for e in await h.store.outbox.events(sid, "0-0") if e.type == "message.received"]
+    assert len(received) == 1
+
+
+async def test_a_queued_or_steered_message_id_is_remembered_until_its_turn_ends(
+    stores: Callable[[], Store], redis: Redis
+) -> None:
+    """A message that waits in the queue behind a long turn, and one steered into that turn,
+    resent later than the window: the same messages (neither is queued again); their windows
+    start when the turns they are in end."""
+    store = Store(redis, idempotency_ms=300)
+    await store.start()
+    try:
+        sid = new_id("ses")
+        await store.create(sid, "o", {})
+        await store.submit(sid, "o", InboxMessage(message_id="m-head", turn_id="turn_head", text="head"))
+        begun = await store.begin(sid, "", 60_000)
+        assert isinstance(begun, Begun)
+        queued = InboxMessage(message_id="m-queued", turn_id="turn_queued", text="queued")
+        steered = InboxMessage(message_id="m-steered", turn_id="turn_steered", text="steered")
+        await store.submit(sid, "o", queued)
+        assert (await store.submit(sid, "o", steered, policy="steer")).steered
+        await window_passed(redis, 300)
+        for m in (queued, steered):
+            assert (await store.submit(sid, "o", m, policy="queue")).duplicate, m.message_id
+        assert await store.queued(sid) == 2
+        mids = SessionKeys(sid).mids
+        step = await store.commit(sid, begun.fence, "turn_head", [], [], attempt=True)  # takes the steered one
+        assert [i.message_id for i in step.steered] == ["m-steered"]
+        assert [t for t in await redis.hpttl(mids, "m-head", "m-queued", "m-steered")] == [-1, -1, -1]
+        await store.commit(sid, begun.fence, "turn_head", [], [], mode="final")
+        head, queued_ttl, steered_ttl = await redis.hpttl(mids, "m-head", "m-queued", "m-steered")
+        assert 0 < head <= 300 and 0 < steered_ttl <= 300 and queued_ttl == -1  # (its turn is next)
+    finally:
+        await store.close()
 
 
 async def test_a_redis_without_field_expiry_remembers_ids_for_the_session(
@@ -150,3 +230,42 @@ async def test_clear_leaves_an_empty_list(make_harness: Any, redis: Redis) -> No
     assert [i.text for i in await h.sessions.history(sid, "o")] == ["two", "re: two"]
     assert await redis.llen(SessionKeys(sid).history) == 2
     assert await redis.pttl(SessionKeys(sid).history) > 0  # (with the session's expiry)
+
+
+async def test_a_turns_approval_requests_and_answers_leave_with_the_window_after_it(
+    make_harness: Any, redis: Redis
+) -> None:
+    """Every request a turn made (with its tool's arguments) and its answer are kept while the
+    turn runs or waits, and for the idempotency window after it ended (an answer repeated
+    within it is the same answer); then they go, as the turn's message id does."""
+    runs: list[tuple[str, dict[str, Any], str]] = []
+    agent, _ = gated_agent(runs)
+    h: Harness = await make_harness(agent, idempotency_ms=300)
+    sid = await h.sessions.create("anon")
+    keys = SessionKeys(sid)
+    for n in range(3):
+        turn = await h.sessions.submit_and_wait(sid, "anon", f"delete /f{n}", context=None, message_id=None, timeout=10)
+        assert turn.status == "waiting"
+        (rid,) = await h.sessions.pending(sid, "anon")
+        await window_passed(redis, 300)  # (waiting longer than the window: still answerable)
+        done = await h.sessions.respond_and_wait(sid, "anon", rid, "approve", timeout=10)
+        assert done.status == "completed"
+        again = await h.sessions.respond(sid, "anon", rid, "approve")  # the same answer again
+        assert isinstance(again, AlreadyAnswered)
+    assert [r[1]["path"] for r in runs] == ["/f0", "/f1", "/f2"]
+
+    async def gone() -> bool:
+        return not await redis.exists(keys.pending, keys.decisions)
+
+    await eventually(gone, 5)
+    with pytest.raises(NotFound):  # (long after: a request the session no longer knows)
+        await h.sessions.respond(sid, "anon", rid, "approve")
+
+
+def test_events_are_kept_at_least_as_long_as_message_ids() -> None:
+    """A message sent again within its id's window is answered from its turn's events (a retried
+    `?wait=true` says how its turn ended): a shorter event window is refused at start."""
+    assert Settings.from_env({"KEEL_EVENT_RETENTION_HOURS": "48"}).event_retention_ms == 48 * 3_600_000
+    assert Settings.from_env({"KEEL_EVENT_RETENTION_HOURS": "0.5", "KEEL_IDEMPOTENCY_HOURS": "0.25"})
+    with pytest.raises(SettingsError, match="KEEL_EVENT_RETENTION_HOURS must be at least KEEL_IDEMPOTENCY_HOURS"):
+        Settings.from_env({"KEEL_EVENT_RETENTION_HOURS": "1"})

@@ -127,7 +127,9 @@ async def test_a_lease_given_up_after_its_session_expired_makes_nothing_again(re
 
 
 async def test_without_a_ttl_nothing_of_a_session_expires_but_old_events(make_harness: Any, redis: Redis) -> None:
-    h: Harness = await make_harness(approving_agent(), session_ttl_ms=0, event_retention_ms=3_600_000)
+    h: Harness = await make_harness(
+        approving_agent(), session_ttl_ms=0, event_retention_ms=3_600_000, idempotency_ms=3_600_000
+    )
     sid = await h.sessions.create("o")
     await h.sessions.submit_and_wait(sid, "o", "wipe disk", context={"page": "p"}, message_id=None, timeout=10)
     at = await deadlines(redis, sid)

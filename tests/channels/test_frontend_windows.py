@@ -1,0 +1,94 @@
+"""The frontend routes and the memory windows: a turn that waits for approval longer than
+KEEL_EVENT_RETENTION_HOURS (its events gone from the outbox) or KEEL_IDEMPOTENCY_HOURS stays
+answerable, resumable, and is not run twice. The windows here are a fraction of a second; each
+wait is on the window having passed in Redis."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from redis.asyncio import Redis
+
+from harness.store.keys import SessionKeys
+from tests.channels.slack_support import eventually
+from tests.channels.test_frontends import answered, approval_of, chunks_of, user
+from tests.frontend_agent import frontend_agent
+from tests.harness.test_memory import window_passed
+
+
+async def paused_then_outbox_gone(serve: Any, redis: Redis) -> tuple[Any, str, dict[str, Any], list[Any], Any]:
+    """A useChat turn that asked to pay 30 and waits, its events since gone with the window."""
+    agent, runs, _ = frontend_agent()
+    live = await serve(agent, event_retention_ms=300, idempotency_ms=300)
+    c = live.client()
+    sid = (await c.post("/v1/sessions")).json()["session_id"]
+    first = await chunks_of(c, "POST", "/v1/chat", {"id": sid, "messages": [user("pay 30", "m1")]})
+    (asked,) = approval_of(first)
+
+    async def gone() -> bool:
+        return not await redis.exists(SessionKeys(sid).outbox)
+
+    await eventually(gone, 5)
+    info = (await c.get(f"/v1/sessions/{sid}")).json()
+    assert info["status"] == "waiting" and [p["request_id"] for p in info["pending"]] == [asked["approvalId"]]
+    return c, sid, asked, first, runs
+
+
+async def test_a_usechat_answer_after_the_event_window_runs_the_call(serve: Any, redis: Redis) -> None:
+    c, sid, asked, first, runs = await paused_then_outbox_gone(serve, redis)
+    body = {"id": sid, "messages": [user("pay 30", "m1"), answered(first[0]["messageId"], [asked], [True])]}
+    rest = await asyncio.wait_for(chunks_of(c, "POST", "/v1/chat", body), 10)
+    out = next(g for g in rest[:-1] if g["type"] == "tool-output-available")
+    assert out == {"type": "tool-output-available", "toolCallId": asked["toolCallId"], "output": "paid 30"}
+    assert rest[-2] == {"type": "finish", "finishReason": "stop"} and rest[-1] == "[DONE]"
+    assert list(runs.values()) == [1]
+    await c.aclose()
+
+
+async def test_an_ag_ui_resume_after_the_event_window_runs_the_call(serve: Any, redis: Redis) -> None:
+    c, sid, asked, _, runs = await paused_then_outbox_gone(serve, redis)
+    run = {
+        "threadId": sid,
+        "runId": "r",
+        "resume": [{"interruptId": asked["approvalId"], "status": "resolved", "payload": {"approved": True}}],
+    }
+    got = await asyncio.wait_for(chunks_of(c, "POST", "/v1/agui", run), 10)
+    assert next(e for e in got if e["type"] == "TOOL_CALL_RESULT")["content"] == "paid 30"
+    assert got[-1]["type"] == "RUN_FINISHED" and got[-1]["outcome"] == {"type": "success"}
+    assert list(runs.values()) == [1]
+    await c.aclose()
+
+
+async def paused_past_the_id_window(serve: Any, redis: Redis) -> tuple[Any, str, dict[str, Any], Any]:
+    agent, runs, _ = frontend_agent()
+    live = await serve(agent, idempotency_ms=300)
+    c = live.client()
+    sid = (await c.post("/v1/sessions")).json()["session_id"]
+    first = await chunks_of(c, "POST", "/v1/chat", {"id": sid, "messages": [user("pay 30", "m1")]})
+    (asked,) = approval_of(first)
+    await window_passed(redis, 300)
+    assert (await c.get(f"/v1/sessions/{sid}")).json()["status"] == "waiting"
+    return c, sid, asked, runs
+
+
+async def test_a_usechat_resume_of_a_turn_waiting_past_the_id_window_replays_it(serve: Any, redis: Redis) -> None:
+    c, sid, asked, _ = await paused_past_the_id_window(serve, redis)
+    again = await asyncio.wait_for(chunks_of(c, "GET", f"/v1/chat/{sid}/stream"), 10)
+    assert [a["approvalId"] for a in approval_of(again)] == [asked["approvalId"]]
+    await c.aclose()
+
+
+async def test_a_usechat_resend_of_the_waiting_message_past_the_id_window_is_not_a_second_turn(
+    serve: Any, redis: Redis
+) -> None:
+    """useChat sends the conversation again (a reload): the message whose turn waits is the same
+    message however long it waited, so its turn replays up to its request; nothing is queued."""
+    c, sid, asked, runs = await paused_past_the_id_window(serve, redis)
+    again = await asyncio.wait_for(
+        chunks_of(c, "POST", "/v1/chat", {"id": sid, "messages": [user("pay 30", "m1")]}), 10
+    )
+    assert [a["approvalId"] for a in approval_of(again)] == [asked["approvalId"]]
+    info = (await c.get(f"/v1/sessions/{sid}")).json()
+    assert info["queued"] == 0 and info["status"] == "waiting" and not runs
+    await c.aclose()
