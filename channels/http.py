@@ -381,8 +381,8 @@ async def list_sessions(request: Request) -> Response:
         **NOT_FOUND,
         **RATED,
         400: "`invalid_request`, `invalid_json`, `invalid_message_id`",
-        409: "`message_not_in_history`: the message's turn left nothing in the active history (compacted away, "
-        "cleared, or cancelled before it began)",
+        409: "`message_not_in_history`: the message's turn left nothing in the active history (compacted away "
+        "or cleared)",
     },
 )
 async def fork_session(request: Request) -> Response:

@@ -13,8 +13,8 @@ no report yet), plus the fixed envelope of the compaction prompt. Past `threshol
 Turns are summarized whole, so a tool call is never separated from its result. Page context is
 never in history, so it is never summarized. The todo list and the newest runtime snapshot are
 re-injected after the summary when the summarized part held them. The new active history is
-committed in one atomic rebase (`Store.commit(rebase=...)`); older items stay in the session's
-history list but leave the active context.
+committed in one atomic rebase (`Store.commit(rebase=...)`); the items it replaces leave the
+session's history list in the same commit (their events stay in the outbox for its retention).
 """
 
 from __future__ import annotations

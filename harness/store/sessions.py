@@ -99,6 +99,7 @@ from harness.types import (
 log = logging.getLogger("keel")
 R = TypeVar("R")
 _enc = msgspec.json.Encoder()
+_MADE = ("summary", "todo")  # items a compaction makes, with the id of the turn it ran in
 _inbox = msgspec.json.Decoder(InboxMessage)
 _metadata = msgspec.json.Decoder(dict[str, Any])
 KNOWN_MAX = 100_000
@@ -303,8 +304,8 @@ class Store:
         active history: all of it, or what came before message `before_message_id`'s turn; a
         turn in progress is never in it. The source is only read. NotFound (`message_not_found`)
         for a message the source does not have; Conflict (`message_not_in_history`) for one
-        whose turn left nothing in the active history (compacted away, cleared, or cancelled
-        before it began). Returns the new session's session.created."""
+        whose turn left nothing in the active history (compacted away or cleared). Returns the
+        new session's session.created."""
         src = await self._run(p.FORK_READ, sid, p.ForkReadArgs(owner, before_message_id or ""))
         if isinstance(src, p.Missing):
             raise _missing(sid)
@@ -314,19 +315,15 @@ class Store:
             if not src.message_turn:
                 raise NotFound(f"no message {before_message_id} in session {sid}", code="message_not_found")
             # (the turn's own first item: a summary or to-do list a compaction during that turn
-            # wrote carries its id too, and is what came before it)
-            cut = next(
-                (
-                    n
-                    for n, item in enumerate(items)
-                    if item.turn_id == src.message_turn and item.kind not in ("summary", "todo")
-                ),
-                None,
-            )
+            # wrote carries its id too, and is what came before it; a runtime snapshot a
+            # compaction put back after its summary keeps the id of the turn that made it, which
+            # is in the active history only if an item of its own besides is)
+            own = [n for n, item in enumerate(items) if item.turn_id == src.message_turn and item.kind not in _MADE]
+            cut = own[0] if any(items[n].kind != "runtime" for n in own) else None
             if cut is None and not (src.queued or src.message_turn == src.turn):
                 raise Conflict(
-                    f"message {before_message_id}'s turn left nothing in the active history (compacted away, "
-                    "cleared, or cancelled before it began): fork before a later message",
+                    f"message {before_message_id}'s turn left nothing in the active history (compacted away "
+                    "or cleared): fork before a later message",
                     code="message_not_in_history",
                 )
             end = min(end, cut if cut is not None else end)

@@ -8,7 +8,10 @@ import asyncio
 import json
 from typing import Any
 
+import pytest
+
 from harness import Agent, tool
+from harness.errors import Conflict
 from harness.loop.compaction import PREVIOUS_HEADER, SUMMARY_HEADER, TRANSCRIPT_HEADER, Compaction
 from harness.models import ModelReply, ModelRequest, ScriptedModel, ToolCall, Usage
 from harness.models.tokens import request_tokens
@@ -415,3 +418,33 @@ async def test_a_cancel_during_compaction_ends_the_turn(make_harness: Any) -> No
     turn = await h.sessions.wait_turn(results[-1], 10)
     assert turn.status == "cancelled"
     assert len(turn_requests(model)) == turns_before  # no model call after the cancel
+
+
+async def test_a_fork_before_a_summarized_message_is_refused_with_its_snapshot_put_back(make_harness: Any) -> None:
+    """A compaction puts the newest runtime snapshot back after its summary, with the id of the
+    turn that made it: that turn is no more in the active history for it. A fork before its
+    message is refused, as one before any message summarized away (the summary stands for the
+    message, so the fork cannot come before it); one before a kept message has the summary."""
+
+    def branch() -> str:
+        return "main"
+
+    model = ScriptedModel(summarizing())
+    agent = Agent(instructions="t", model=model, runtime_context=[branch], compaction=Compaction(keep_turns=1))
+    h = await make_harness(agent)
+    sid = await h.sessions.create("anon")
+    ids = {}
+    for text in ("one", "two", "three"):  # (only the first turn's snapshot is new)
+        sent = await h.sessions.submit(sid, "anon", text, None, f"m-{text}")
+        ids[text] = sent.turn_id
+        assert (await h.sessions.wait_turn(sent, 10)).status == "completed"
+    await h.sessions.compact(sid, "anon")
+    await events_until(h, sid, "session.waiting")
+    active = await h.sessions.history(sid, "anon")
+    assert [(i.kind, i.turn_id) for i in active[:2]] == [("summary", active[0].turn_id), ("runtime", ids["one"])]
+    for summarized in ("m-one", "m-two"):
+        with pytest.raises(Conflict) as refused:
+            await h.sessions.fork(sid, "anon", summarized)
+        assert refused.value.code == "message_not_in_history"
+    fork = await h.sessions.fork(sid, "anon", "m-three")
+    assert [i.kind for i in await h.sessions.history(fork, "anon")] == ["summary", "runtime"]
