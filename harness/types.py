@@ -228,3 +228,11 @@ class DeadLetter(msgspec.Struct, frozen=True):
     error: str
     attempts: int
     at: float
+    # (>0: the events before `event_id` that left the outbox before the relay read them, by
+    # KEEL_EVENT_RETENTION_HOURS or _RETENTION: nothing to deliver again)
+    lost: int = 0
+
+    @property
+    def field(self) -> str:
+        """Its field in the destination's dead letters (a loss before an event is not its failure)."""
+        return f"{self.session_id} {self.event_id}" + (" lost" if self.lost else "")

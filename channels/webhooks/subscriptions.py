@@ -101,7 +101,7 @@ async def delete(request: Request) -> Response:
 
 
 def _failure(d: DeadLetter) -> Failure:
-    return Failure(d.session_id, d.event_id, d.error, d.at)
+    return Failure(d.session_id, d.event_id, d.error, d.at, d.lost)
 
 
 @operation(

@@ -237,7 +237,8 @@ class Relay:
                 await session.recover()
                 await session.follow()
             except Parked:
-                await session.mark(release=True, failing=session.failing)
+                seq = session.cursor_seq if session.cursor_seq >= 0 else None  # (the cursor's place, once known)
+                await session.mark(release=True, failing=session.failing, seq=seq)
                 session.released = True
                 raise
 

@@ -45,6 +45,11 @@ class Session:
         fresh = state.cursor == streamids.START
         self.cursor = streamids.at(since) if fresh and since else state.cursor
         self.seen = self.cursor  # read up to here (written lazily when nothing was posted)
+        # the seqs of `cursor` and `seen` (-1: not known): the next event read should be the one
+        # after (events are numbered one by one; a session's first is 1). A destination made later
+        # than the session starts at a time: the first event read there tells its place.
+        self.cursor_seq = state.seq if not fresh or state.seq >= 0 else (-1 if since else 0)
+        self.seen_seq = self.cursor_seq
         self.doubt = state.doubt
         self.last = state.last
         self.refs = dict(state.refs)
@@ -146,6 +151,11 @@ class Session:
                     continue
                 if not isinstance(item, StoredEvent):
                     continue  # live events (message.delta) are not delivered
+                if self.seen_seq < 0:  # (a place first known: right before the first event read)
+                    self.seen_seq = item.seq - 1
+                    self.cursor_seq = self.seen_seq if self.seen == self.cursor else self.cursor_seq
+                elif item.seq > self.seen_seq + 1:
+                    await self._lost(item.seq - 1)
                 await self.deliver(item)
                 started = item.of(TurnStarted)
                 if started is not None:
@@ -161,8 +171,13 @@ class Session:
         dead letter to deliver again goes first, once caught up."""
         if self.redeliver:
             await self._redeliver()
+        if self.seen_seq >= 0:  # (read before the check: events it counts were in the outbox, or left it)
+            newest = await self.relay.deliveries.session_seq(self.sid)
+            if newest is not None and newest > self.seen_seq:
+                await self._lost(newest, quiet=True)
         cursor = self.seen if self.seen != self.cursor else None
-        self.released = bool(await self.mark(cursor=cursor, check=self.seen, release=True))
+        seq = self.seen_seq if self.seen_seq >= 0 and (cursor is not None or self.seen_seq != self.cursor_seq) else None
+        self.released = bool(await self.mark(cursor=cursor, seq=seq, check=self.seen, release=True))
         return self.released
 
     async def _silence(self) -> None:
@@ -199,9 +214,25 @@ class Session:
         log.warning("relay: event %s of %s could not reach %s: %s", event.id, self.sid, self.dest.name, error)
         await relay.deliveries.bury(self.sid, event.id, self.dest.name, error, self.gave_up_after)
 
+    async def _lost(self, last: int, *, quiet: bool = False) -> None:
+        """The events after `seen`, up to seq `last`, left the outbox unread (the relay fell
+        further behind than the outbox keeps: KEEL_EVENT_RETENTION_HOURS, KEEL_EVENT_RETENTION):
+        listed as a loss after `seen`, so that nothing goes unsaid; those of the destination's
+        types were never delivered. They count as read from now on. `quiet`: with the session's
+        newest (none kept after `seen`: a check that the session is quiet says so, or not)."""
+        if quiet and not await self.mark(check=self.seen):
+            return  # (not quiet: they are there to read after all)
+        n, first = last - self.seen_seq, self.seen_seq + 1
+        error = f"{n} event(s) after this one (seq {first}-{last}) left the outbox before delivery"
+        self.relay.stats.dead += 1
+        log.warning("relay: %s/%s: %s", self.sid, self.dest.name, error)
+        await self.relay.deliveries.bury(self.sid, self.seen, self.dest.name, error, 0, lost=n)
+        self.seen_seq = last
+
     async def deliver(self, event: StoredEvent, *, move_cursor: bool = True) -> None:
         outs = self.dest.render(event, self.where, self.refs)
-        self.seen = event.id if move_cursor else self.seen
+        if move_cursor:
+            self.seen, self.seen_seq = event.id, event.seq
         if not outs:
             return
         self.open_turn = None
@@ -246,6 +277,7 @@ class Session:
         clear = self.failing is None and self.failing_stored
         await self.mark(
             cursor=cursor,
+            seq=event.seq if event is not None and move_cursor else None,
             doubt=[],
             last=self.last if made else None,
             keep=keep,
@@ -253,7 +285,8 @@ class Session:
             failing=None if clear else False,
         )
         self.failing_stored = self.failing_stored and not clear
-        if cursor is not None:
+        if cursor is not None and event is not None:
             self.cursor = self.seen = cursor
+            self.cursor_seq = event.seq
         if event is not None and error is None:
             relay.stats.delivered_after(time.time() - streamids.ms_of(event.id) / 1000)

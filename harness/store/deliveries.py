@@ -18,7 +18,15 @@ import msgspec
 from harness.store import protocol_relay as p
 from harness.store.client import Client, translated
 from harness.store.clusterwire import AnyWire
-from harness.store.keys import RELAY_GROUP, RELAY_JOBS, RELAY_LATER, DeliveryKeys, RelayKeys, dead_letters
+from harness.store.keys import (
+    RELAY_GROUP,
+    RELAY_JOBS,
+    RELAY_LATER,
+    DeliveryKeys,
+    RelayKeys,
+    SessionKeys,
+    dead_letters,
+)
 from harness.store.protocol import Script
 from harness.store.queue import JobQueue
 from harness.store.wire import raised
@@ -29,6 +37,7 @@ class DeliveryState(msgspec.Struct):
     """Where one session's deliveries to one destination stand."""
 
     cursor: str = "0-0"  # the last event delivered (or judged to need nothing)
+    seq: int = -1  # its seq (-1: not known)
     doubt: list[str] = []  # refs whose posts may have been made before a crash
     last: str = ""  # the destination's handle of the newest post ("" before the first)
     refs: dict[str, str] = {}  # ref -> handle, kept for later (a message to update)
@@ -80,6 +89,7 @@ class Deliveries:
         raw = dict(res.state)
         return DeliveryState(
             cursor=raw.get("cursor", "0-0"),
+            seq=int(raw.get("seq", -1)),
             doubt=raw.get("doubt", "").split(),
             last=raw.get("last", ""),
             refs={k[2:]: v for k, v in raw.items() if k.startswith("r:")},
@@ -97,6 +107,7 @@ class Deliveries:
         ttl_ms: int,
         *,
         cursor: str | None = None,
+        seq: int | None = None,
         doubt: list[str] | None = None,
         last: str | None = None,
         keep: Mapping[str, str] | None = None,
@@ -111,6 +122,8 @@ class Deliveries:
         fields: list[tuple[str, str]] = []
         if cursor is not None:
             fields.append(("cursor", cursor))
+        if seq is not None:
+            fields.append(("seq", str(seq)))
         if doubt is not None:
             fields.append(("doubt", " ".join(doubt)))
         if last is not None:
@@ -128,6 +141,12 @@ class Deliveries:
         if check is not None and not res.quiet:
             return None
         return True
+
+    @translated
+    async def session_seq(self, sid: str) -> int | None:
+        """The seq of the session's newest event (None: no such session)."""
+        raw = await self.redis.hget(SessionKeys(sid).meta, "seq")
+        return int(raw) if raw is not None else None
 
     # ---- delayed jobs ------------------------------------------------------------------
 
@@ -150,10 +169,13 @@ class Deliveries:
     # ---- dead letters: the one place they are made, listed and retried -----------------------
 
     @translated
-    async def bury(self, sid: str, event_id: str, destination: str, error: str, attempts: int) -> DeadLetter:
-        """Record an event that could not be delivered (idempotent per session and event)."""
-        letter = DeadLetter(sid, event_id, destination, error[:500], attempts, round(time.time(), 3))
-        await self._write([("HSET", dead_letters(destination), f"{sid} {event_id}", msgspec.json.encode(letter))])
+    async def bury(
+        self, sid: str, event_id: str, destination: str, error: str, attempts: int, *, lost: int = 0
+    ) -> DeadLetter:
+        """Record an event that could not be delivered, or (`lost`) how many events before it
+        left the outbox unread (idempotent per session and event)."""
+        letter = DeadLetter(sid, event_id, destination, error[:500], attempts, round(time.time(), 3), lost)
+        await self._write([("HSET", dead_letters(destination), letter.field, msgspec.json.encode(letter))])
         return letter
 
     async def _write(self, commands: list[tuple[Any, ...]]) -> None:
@@ -182,12 +204,15 @@ class Deliveries:
     async def retry(self, destination: str, *, session: str | None = None, event: str | None = None) -> int:
         """Ask the relays to deliver the destination's dead letters (those `dead` lists) again:
         each one is reconciled with the destination first, so one that did arrive is not posted
-        twice. Returns how many."""
+        twice. Returns how many (losses, cleared, are not counted)."""
         letters = await self.dead(destination, session=session, event=event)
         if not letters:
             return 0
         # the jobs first: a letter goes only once its job is there (stopped between the two, a
-        # letter is listed still and its event delivered once all the same: reconciled first)
-        await self._write([relay_job(d.session_id, destination, d.event_id) for d in letters])
-        await self._write([("HDEL", dead_letters(destination), *(f"{d.session_id} {d.event_id}" for d in letters))])
-        return len(letters)
+        # letter is listed still and its event delivered once all the same: reconciled first);
+        # a loss has nothing to deliver again: the retry clears it
+        again = [d for d in letters if not d.lost]
+        if again:
+            await self._write([relay_job(d.session_id, destination, d.event_id) for d in again])
+        await self._write([("HDEL", dead_letters(destination), *(d.field for d in letters))])
+        return len(again)

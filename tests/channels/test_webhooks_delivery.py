@@ -5,6 +5,7 @@ its own deliveries; 410 disables; failures dead-lettered, listed and retried."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import httpx
@@ -12,6 +13,7 @@ import pytest
 from redis.asyncio import Redis
 
 from channels.webhooks.addresses import PublicResolver
+from harness.store.keys import SessionKeys
 from tests.channels.slack_support import echo_agent, eventually, relay_done
 from tests.channels.webhook_receiver import Delivery, Receiver
 
@@ -162,3 +164,49 @@ async def test_a_long_retry_after_gives_the_relay_slot_back_and_resumes(
         assert first.webhook_id == receiver.attempts("busy")[0].webhook_id  # the same id, tried again
         assert first.webhook_id.startswith(f"{sid}:") and b'"turn.completed"' in first.body
         assert second.at - receiver.attempts("busy")[0].at >= 6.0  # Retry-After honoured
+
+
+async def test_events_that_leave_the_outbox_before_delivery_are_listed_as_lost(
+    serve: Any, receiver: Receiver, redis: Redis
+) -> None:
+    """An endpoint down for longer than the outbox keeps events: what left it undelivered is
+    listed as a loss (how many, which seqs; nothing to retry), never dropped unsaid; the
+    session's next events are delivered as before, with no loss listed twice."""
+    # scaled down: a delivery tried for 3.6 s (0.001 h), events kept 2 s
+    live = await serve(
+        echo_agent(),
+        api_keys=("k1",),
+        webhook_allow_private=True,
+        webhook_retry_hours=0.001,
+        event_retention_ms=2000,
+        idempotency_ms=2000,
+    )
+    async with live.client("k1") as c:
+        wid = await subscribe(c, receiver, "down", ["turn.completed"], fail_every=1)  # the endpoint is down
+        sid = await turns(c, "one", "two", "three")  # session.created and 5 events a turn: seq 1-16
+        await receiver.until(lambda r: len(r.attempts("down")) >= 1)  # the first turn.completed tried
+
+        async def outbox_gone() -> bool:
+            return not await redis.exists(SessionKeys(sid).outbox)
+
+        await eventually(outbox_gone, 10)
+        receiver.paths["down"].fail_every = 0  # the endpoint is back
+
+        async def listed() -> bool:
+            return bool((await c.get(f"/v1/webhooks/{wid}/failures")).json()["failures"])
+
+        await eventually(listed, 30)
+        (lost,) = (await c.get(f"/v1/webhooks/{wid}/failures")).json()["failures"]
+        assert lost["session_id"] == sid and lost["lost"] == 16, lost
+        assert "(seq 1-16) left the outbox before delivery" in lost["error"]
+        assert not receiver.delivered("down")
+        r = await c.post(f"/v1/sessions/{sid}/messages?wait=true", json={"text": "four"})
+        assert r.json()["status"] == "completed"
+        await receiver.until(lambda r: len(r.delivered("down")) == 1)
+        (four,) = receiver.delivered("down")
+        assert json.loads(four.body)["seq"] == 21  # (seq 17-21: the fourth turn's)
+        await relay_done(redis)
+        assert [f["lost"] for f in (await c.get(f"/v1/webhooks/{wid}/failures")).json()["failures"]] == [16]
+        retried = (await c.post(f"/v1/webhooks/{wid}/failures/retry")).json()
+        assert retried == {"retried": 0}  # nothing to deliver again: the loss is cleared
+        assert (await c.get(f"/v1/webhooks/{wid}/failures")).json()["failures"] == []
