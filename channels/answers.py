@@ -84,6 +84,7 @@ class HistoryItem(msgspec.Struct, omit_defaults=True):
 class HistoryPage(msgspec.Struct):
     items: list[HistoryItem]
     next_offset: int | None  # null after the last page
+    next_cursor: str | None = None  # the same place, refused once a compaction or clear replaced the history
 
 
 def history_item(item: Item) -> HistoryItem:

@@ -445,22 +445,33 @@ def int_query(request: Request, name: str, default: int, low: int, high: int) ->
 @operation(
     "A page of the active history, oldest first",
     Returns(200, HistoryPage, "Items, and where the next page starts"),
-    errors={**NOT_FOUND, 400: "`invalid_query`"},
+    errors={
+        **NOT_FOUND,
+        400: "`invalid_query`, `invalid_cursor`",
+        409: "`history_replaced`: a compaction or clear replaced the history since the page the cursor came from",
+    },
     params=(
+        Param("cursor", {"type": "string", "pattern": r"^[0-9]{1,12}$"}, "The page before's `next_cursor`"),
         Param("offset", {"type": "integer", "minimum": 0, "maximum": 10**9}, "Where the page starts"),
         Param("limit", {"type": "integer", "minimum": 1, "maximum": HISTORY_PAGE_MAX}, "Items (500 by default)"),
     ),
 )
 async def get_history(request: Request) -> Response:
-    """A page of the active history, oldest first: `?offset=` (default 0) and `?limit=` (default
-    500, at most 1000); `next_offset` is where the next page starts, null after the last one."""
+    """A page of the active history, oldest first: `?limit=` (default 500, at most 1000) items
+    from `?cursor=` (the page before's `next_cursor`: 409 `history_replaced` once a compaction
+    or clear replaced the history, so that pages read across one never pass for one history) or
+    from `?offset=` (default 0) in it; `next_offset` and `next_cursor` say where the next page
+    starts, null after the last one."""
+    query = request.query_params
+    if "cursor" in query and "offset" in query:
+        raise ChannelError(400, "invalid_query", "?cursor= and ?offset= each say where the page starts: give one")
     offset = int_query(request, "offset", 0, 0, 10**9)
     limit = int_query(request, "limit", HISTORY_PAGE, 1, HISTORY_PAGE_MAX)
     sid = request.path_params["sid"]
-    items = await harness_of(request).sessions.history(sid, owner_of(request), offset, limit + 1)
-    more = len(items) > limit
-    page = [history_item(i) for i in items[:limit]]
-    return json_response(HistoryPage(page, offset + limit if more else None))
+    page, next_offset, next_cursor = await harness_of(request).sessions.history_page(
+        sid, owner_of(request), cursor=query.get("cursor"), offset=offset, limit=limit
+    )
+    return json_response(HistoryPage([history_item(i) for i in page], next_offset, next_cursor))
 
 
 @operation("The process is up", Returns(200, Health, "Always"), storage=False, tag="operations")

@@ -455,6 +455,26 @@ class Sessions:
         check_session_id(sid)
         return await self.store.history(sid, owner, offset, limit)
 
+    async def history_page(
+        self, sid: str, owner: str, *, cursor: str | None, offset: int, limit: int
+    ) -> tuple[list[Item], int | None, str | None]:
+        """A page of the active history, `limit` items from `cursor` (a page's next) or from
+        `offset` in it; with where the next page starts, as an offset into the active history
+        as it is now and as a cursor (None after the last page). A cursor is an item's index
+        counted from the history's first item ever: after a compaction or a clear it is
+        refused (Conflict `history_replaced`), where an offset would read on in the new history."""
+        check_session_id(sid)
+        at = -1
+        if cursor is not None:
+            if not (cursor.isascii() and cursor.isdigit() and len(cursor) <= 12):
+                raise InvalidInput("cursor is the next_cursor a page gave", code="invalid_cursor")
+            at = int(cursor)
+        start, items = await self.store.history_page(sid, owner, at=at, offset=offset, limit=limit + 1)
+        first = at if at >= 0 else start + offset
+        if len(items) <= limit:
+            return items, None, None
+        return items[:limit], first + limit - start, str(first + limit)
+
     async def check_owner(self, sid: str, owner: str) -> None:
         """NotFound unless the session is there and `owner`'s."""
         check_session_id(sid)

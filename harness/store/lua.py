@@ -366,6 +366,23 @@ return reply({held = true})
 """
 )
 
+# A page of the active history, read at one moment: from index `A.at` of the history (counted
+# from its first item ever; -1: from the active history's start, `A.offset` items on), at most
+# `A.limit` items (0: all), with where the active history starts; 'replaced' when `A.at` is
+# before that (a compaction or a clear replaced those items since). Writes nothing.
+HISTORY = (
+    _COMMON
+    + meta_reads("owner hist_start hist_base")
+    + """
+if not owns(A.owner) then return reply({tag = 'missing'}) end
+local start, base = tonumber(mget('hist_start') or 0), tonumber(mget('hist_base') or 0)
+local from = A.at >= 0 and A.at or start + A.offset
+if from < start then return reply({tag = 'replaced', start = start}) end
+local last = A.limit > 0 and from - base + A.limit - 1 or -1
+return reply({tag = 'ok', start = start, items = redis.call('LRANGE', K.history, from - base, last)})
+"""
+)
+
 # What a fork is made from, read at one moment: the source's meta as the fork needs it, its
 # active history, and where message `A.message_id` (if any) stands: its turn (from the message
 # ids), and whether it still waits in the inbox. Writes nothing.

@@ -376,6 +376,24 @@ class ReadersArgs(msgspec.Struct, frozen=True):
 # ---- FORK --------------------------------------------------------------------------------
 
 
+class HistoryArgs(msgspec.Struct, frozen=True):
+    owner: str
+    at: int = -1  # the first item's index, counted from the history's first item ever (-1: `offset`)
+    offset: int = 0  # ... or from the active history's start
+    limit: int = 0  # items at most (0: all)
+
+
+class HistoryRead(Reply, tag="ok"):
+    start: int  # where the active history begins (its first item's index)
+    items: list[str] = []  # encoded Items
+
+
+class Replaced(Reply, tag="replaced"):
+    """The items asked for are no longer in the active history (a compaction or clear since)."""
+
+    start: int
+
+
 class ForkReadArgs(msgspec.Struct, frozen=True):
     owner: str
     message_id: str = ""  # the message the fork is to stop before ("": none)
@@ -448,6 +466,9 @@ RELEASE: Script[Held] = Script(lua.RELEASE, ("lease", "meta"), Held)
 # (the keys of each destination's delivery state and lease follow the session's own)
 DELETE: Script[Deleted | Changed | Missing] = Script(lua.DELETE, _ALL, Deleted | Changed | Missing)
 UPDATE: Script[Done | Changed | Missing] = Script(lua.UPDATE, ("meta",), Done | Changed | Missing)
+HISTORY: Script[HistoryRead | Replaced | Missing] = Script(
+    lua.HISTORY, ("meta", "history"), HistoryRead | Replaced | Missing
+)
 FORK_READ: Script[Source | Missing] = Script(lua.FORK_READ, ("meta", "history", "mids", "inbox"), Source | Missing)
 FORK: Script[Added | Exists] = Script(lua.FORK, ("meta", "outbox", "history", "mids", "readers"), Added | Exists)
 READERS: Script[Count] = Script(lua.READERS, ("readers", "meta"), Count)
@@ -465,6 +486,7 @@ SCRIPTS: tuple[Script[object], ...] = (
     RELEASE,
     DELETE,
     UPDATE,
+    HISTORY,
     FORK_READ,
     FORK,
     READERS,

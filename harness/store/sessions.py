@@ -700,17 +700,28 @@ class Store:
         _, secret = raised(await self.wire.call([made, ("GET", TOKEN_SECRET)], durable=True))
         return bytes(secret)
 
-    @translated
     async def history(self, sid: str, owner: str, offset: int = 0, limit: int | None = None) -> list[Item]:
         """Active history from `offset` on, at most `limit` items (all when None)."""
-        k = SessionKeys(sid)
-        raw: Any = await self.redis.hmget(k.meta, ["owner", "hist_start", "hist_base"])
-        if raw[0] != owner.encode():
+        return (await self.history_page(sid, owner, offset=offset, limit=limit or 0))[1]
+
+    @translated
+    async def history_page(
+        self, sid: str, owner: str, *, at: int = -1, offset: int = 0, limit: int = 0
+    ) -> tuple[int, list[Item]]:
+        """(where the active history starts, its items from index `at` on: counted from the
+        history's first item ever, so that a page read after a compaction or clear cannot pass
+        for the one after an earlier page; or, with `at` -1, from `offset` in the active
+        history), at most `limit` items (0: all). Conflict (`history_replaced`) for an `at` the
+        active history no longer holds."""
+        res = await self._run(p.HISTORY, sid, p.HistoryArgs(owner, at, offset, limit))
+        if isinstance(res, p.Missing):
             raise _missing(sid)
-        first = int(raw[1]) - int(raw[2] or 0) + offset  # (the list holds the active history only)
-        last = -1 if limit is None else first + limit - 1
-        items: Any = await self.redis.lrange(k.history, first, last)
-        return [item_decoder.decode(r) for r in items]
+        if isinstance(res, p.Replaced):
+            raise Conflict(
+                f"session {sid}'s history was compacted or cleared since that page: read it again from its start",
+                code="history_replaced",
+            )
+        return res.start, [item_decoder.decode(r) for r in res.items]
 
     # ---- a turn: BEGIN, COMMIT, the attempts' accounting -------------------------------------
 

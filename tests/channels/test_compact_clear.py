@@ -58,10 +58,40 @@ async def test_compact_then_clear_over_http(serve: Any) -> None:
         assert r.status_code == 202
         events = await read_events(c, sid, "context.cleared")
         assert events[-1]["data"] == {"items": 3}
-        assert (await c.get(f"/v1/sessions/{sid}/history")).json() == {"items": [], "next_offset": None}
+        empty = {"items": [], "next_offset": None, "next_cursor": None}
+        assert (await c.get(f"/v1/sessions/{sid}/history")).json() == empty
         info = (await c.get(f"/v1/sessions/{sid}")).json()
         assert info["session_id"] == sid and info["usage"]["model_calls"] == 4
         r = await c.post(f"/v1/sessions/{sid}/messages?wait=true", json={"text": "four"})
         assert r.json()["reply"] == "re four"
         r = await c.post(f"/v1/sessions/{sid}/cancel")  # nothing is running: compact/clear are not turns
         assert r.status_code == 409
+
+
+async def test_history_pages_by_cursor_never_span_a_compaction(serve: Any) -> None:
+    """Pages read by `next_cursor` are one history's: a compaction between two pages makes the
+    next one 409 `history_replaced` (read again from the start), where an offset would read on
+    into the new history and miss its newest items."""
+    live = await serve(agent())
+    async with live.client() as c:
+        sid = (await c.post("/v1/sessions")).json()["session_id"]
+        for text in ("one", "two", "three"):
+            assert (await c.post(f"/v1/sessions/{sid}/messages?wait=true", json={"text": text})).status_code == 200
+        first = (await c.get(f"/v1/sessions/{sid}/history", params={"limit": 4})).json()
+        assert [i["text"] for i in first["items"]] == ["one", "re one", "two", "re two"]
+        assert first["next_offset"] == 4 and first["next_cursor"] == "4"
+        rest = (await c.get(f"/v1/sessions/{sid}/history", params={"cursor": first["next_cursor"]})).json()
+        assert [i["text"] for i in rest["items"]] == ["three", "re three"] and rest["next_cursor"] is None
+        compact = (await c.post(f"/v1/sessions/{sid}/compact")).json()["turn_id"]
+        events = await read_events(c, sid, "session.waiting")
+        assert events[-1]["turn_id"] == compact
+        r = await c.get(f"/v1/sessions/{sid}/history", params={"cursor": first["next_cursor"], "limit": 4})
+        assert r.status_code == 409 and r.json()["error"]["code"] == "history_replaced"
+        # read again from the start: the new history, page by page, then cursors into it
+        now = (await c.get(f"/v1/sessions/{sid}/history", params={"limit": 1})).json()
+        assert now["items"][0]["kind"] == "summary" and now["next_offset"] == 1
+        tail = (await c.get(f"/v1/sessions/{sid}/history", params={"cursor": now["next_cursor"]})).json()
+        assert [i["text"] for i in tail["items"]] == ["three", "re three"]
+        for bad, code in (({"cursor": "x"}, "invalid_cursor"), ({"cursor": "1", "offset": "1"}, "invalid_query")):
+            r = await c.get(f"/v1/sessions/{sid}/history", params=bad)
+            assert r.status_code == 400 and r.json()["error"]["code"] == code, r.text

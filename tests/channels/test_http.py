@@ -210,6 +210,15 @@ async def test_history_comes_in_pages(serve: Any) -> None:
             offset = page["next_offset"]
         assert [len(p) for p in pages] == [4, 4, 2]
         assert [i for p in pages for i in p] == whole["items"]
+        by_cursor, page = [], (await c.get(f"/v1/sessions/{sid}/history", params={"limit": 3})).json()
+        while True:
+            by_cursor += page["items"]
+            if page["next_cursor"] is None:
+                break
+            page = (
+                await c.get(f"/v1/sessions/{sid}/history", params={"cursor": page["next_cursor"], "limit": 3})
+            ).json()
+        assert by_cursor == whole["items"]
         for bad in ({"limit": 0}, {"limit": 1001}, {"offset": -1}, {"limit": "x"}):
             r = await c.get(f"/v1/sessions/{sid}/history", params=bad)
             assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_query"
