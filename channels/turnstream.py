@@ -206,9 +206,12 @@ class TurnReader:
                     yield translator.closing(event)
                     return
                 out = translator.feed(event)
+                waits = await self._waits_on(event) if isinstance(event, InputRequested) else None
                 if muted is not None:
                     verdict = muted(event)
-                    if verdict == "muted":
+                    # (the turn's end, or requests it waits on now, are never muted: a replay
+                    # whose last muted event left the outbox still ends)
+                    if verdict == "muted" and not (isinstance(event, ENDINGS) or waits is not None):
                         continue
                     muted = None  # (what follows is new to the client)
                     if verdict == "last":
@@ -218,7 +221,7 @@ class TurnReader:
                 if isinstance(event, ENDINGS):
                     yield translator.closing(event)
                     return
-                if isinstance(event, InputRequested) and (waits := await self._waits_on(event)) is not None:
+                if waits is not None:
                     yield translator.closing(waits)
                     return
 
@@ -232,11 +235,18 @@ class TurnReader:
         for a in answers:
             sessions.check_answer(a.request_id, a.decision, a.reason)
         first = answers[0].request_id
-        turn_id = await sessions.turn_asking(self.sid, self.owner, first)
+        asking = await sessions.turn_asking(self.sid, self.owner, first)
+        turn_id, kept = asking if asking is not None else ("", False)
         after = await sessions.turn_start(self.sid, self.owner, turn_id) if turn_id else None
-        if turn_id is None or after is None:
+        if not turn_id or after is None:
             raise ChannelError(404, "request_not_found", f"no approval request {first[:64]} in session {self.sid}")
         open_now = set(await sessions.pending(self.sid, self.owner))
+        if not kept and not any(a.request_id in open_now for a in answers):
+            # (answered before, and asked longer ago than events are kept: what the stream
+            # would show after the answers cannot be told from what the client has)
+            raise ChannelError(
+                404, "request_not_found", f"approval request {first[:64]} was answered, longer ago than events are kept"
+            )
         # the answers to closed requests first: a repeat changes nothing, a conflict or an
         # unknown request fails before any new answer is recorded
         ordered = sorted(answers, key=lambda a: a.request_id in open_now)

@@ -228,11 +228,12 @@ class DeadLetter(msgspec.Struct, frozen=True):
     error: str
     attempts: int
     at: float
-    # (>0: the events before `event_id` that left the outbox before the relay read them, by
-    # KEEL_EVENT_RETENTION_HOURS or _RETENTION: nothing to deliver again)
+    # (>0: how many events after `event_id` left the outbox before the relay read them, by
+    # KEEL_EVENT_RETENTION_HOURS or _RETENTION, from seq `lost_from` on: nothing to deliver again)
     lost: int = 0
+    lost_from: int = 0
 
     @property
     def field(self) -> str:
-        """Its field in the destination's dead letters (a loss before an event is not its failure)."""
-        return f"{self.session_id} {self.event_id}" + (" lost" if self.lost else "")
+        """Its field in the destination's dead letters (a loss: by its first seq, one of its own)."""
+        return f"{self.session_id} lost {self.lost_from}" if self.lost else f"{self.session_id} {self.event_id}"

@@ -226,7 +226,11 @@ class Session:
         error = f"{n} event(s) after this one (seq {first}-{last}) left the outbox before delivery"
         self.relay.stats.dead += 1
         log.warning("relay: %s/%s: %s", self.sid, self.dest.name, error)
-        await self.relay.deliveries.bury(self.sid, self.seen, self.dest.name, error, 0, lost=n)
+        await self.relay.deliveries.bury(self.sid, self.seen, self.dest.name, error, 0, lost=(n, first))
+        # all up to them is accounted for: the cursor moves (a delivery that parks next resumes
+        # after them, and finds no loss again)
+        await self.mark(cursor=self.seen if self.seen != self.cursor else None, seq=last)
+        self.cursor, self.cursor_seq = self.seen, last
         self.seen_seq = last
 
     async def deliver(self, event: StoredEvent, *, move_cursor: bool = True) -> None:

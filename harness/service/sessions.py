@@ -431,13 +431,15 @@ class Sessions:
         begins = await self.store.outbox.turn_begins(sid, turn_id)  # (a turn that ended: looked for)
         return streamids.before(begins) if begins is not None else None
 
-    async def turn_asking(self, sid: str, owner: str, request_id: str) -> str | None:
+    async def turn_asking(self, sid: str, owner: str, request_id: str) -> tuple[str, bool] | None:
         """The id of the turn that made approval request `request_id`, if the session has it
-        (however long ago it was asked: its event may have left the outbox)."""
+        (however long ago it was asked), and whether its input.requested is still kept."""
         check_session_id(sid)
         await self.store.look(sid, owner)
         request = await self.store.request(sid, request_id)
-        return request.turn_id if request is not None else None
+        if request is None:
+            return None
+        return request.turn_id, await self.store.outbox.asked(sid, request_id)
 
     @staticmethod
     def before(event_id: str) -> str:

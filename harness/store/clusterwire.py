@@ -160,6 +160,18 @@ class ClusterWire:
     async def script(self, sha: str, source: str, keys: Sequence[Any], args: Sequence[Any]) -> Any:
         return (await self.script_with(sha, source, keys, args, ()))[0]
 
+    async def read(self, sha: str, source: str, keys: Sequence[Any], args: Sequence[Any]) -> Any:
+        """A script that writes nothing, on its session's node: not waited for by replicas."""
+        evalsha = ("EVALSHA", sha, len(keys), *keys, *args, *self.argv)
+        slot = slot_of(evalsha)
+        for attempt in range(2):
+            (reply,) = await self._on_slot(slot, [evalsha])
+            if isinstance(reply, NoScriptError) and attempt == 0:
+                await self._load(slot, source)
+                continue
+            return raised([reply])[0]
+        raise AssertionError("unreachable")
+
     async def script_with(
         self,
         sha: str,

@@ -170,11 +170,13 @@ class Deliveries:
 
     @translated
     async def bury(
-        self, sid: str, event_id: str, destination: str, error: str, attempts: int, *, lost: int = 0
+        self, sid: str, event_id: str, destination: str, error: str, attempts: int, *, lost: tuple[int, int] = (0, 0)
     ) -> DeadLetter:
-        """Record an event that could not be delivered, or (`lost`) how many events before it
-        left the outbox unread (idempotent per session and event)."""
-        letter = DeadLetter(sid, event_id, destination, error[:500], attempts, round(time.time(), 3), lost)
+        """Record an event that could not be delivered (idempotent per session and event), or
+        with `lost` (how many, from which seq) the events after it that left the outbox unread
+        (idempotent per session and first seq)."""
+        now = round(time.time(), 3)
+        letter = DeadLetter(sid, event_id, destination, error[:500], attempts, now, lost[0], lost[1])
         await self._write([("HSET", dead_letters(destination), letter.field, msgspec.json.encode(letter))])
         return letter
 

@@ -118,7 +118,11 @@ local function event_window()  -- events kept by age: the window (ARGV[3], ms; 0
 end
 local function windowed(key, fields)  -- hash fields kept for the idempotency window from now (ARGV[4], ms)
   local ms = tonumber(ARGV[4] or 0)
-  if ms and ms > 0 and #fields > 0 then redis.call('HPEXPIRE', key, ms, 'FIELDS', #fields, unpack(fields)) end
+  if not ms or ms <= 0 then return end
+  for j = 1, #fields, 1000 do  -- (unpack has a limit: many fields go in slices)
+    local k = math.min(j + 999, #fields)
+    redis.call('HPEXPIRE', key, ms, 'FIELDS', k - j + 1, unpack(fields, j, k))
+  end
 end
 local function remembered(mid)  -- a message id kept for the window
   windowed(K.mids, {mid})

@@ -18,6 +18,8 @@ from typing import Any
 import msgspec
 
 from harness.events import (
+    InputRequested,
+    InputRequestedData,
     LiveEvent,
     MessageCompleted,
     MessageReceived,
@@ -36,6 +38,13 @@ BATCH = 200  # events read from the stream at once
 SCAN_MAX = 20_000  # events looked through, newest first, for where a turn began
 COMPLETED_KEPT = 32  # items a reader remembers as completed, to drop their late live events
 _enc = msgspec.json.Encoder()
+
+
+class _Asked(msgspec.Struct):
+    data: InputRequestedData
+
+
+_asked = msgspec.json.Decoder(_Asked)
 
 
 class Outbox:
@@ -103,6 +112,18 @@ class Outbox:
         head = b'"turn_id":' + _enc.encode(turn_id) + b","
         event = await self.find_back(sid, MessageReceived.TYPE, lambda b: b.startswith(head))
         return event.id if event is not None else None
+
+    async def asked(self, sid: str, request_id: str) -> bool:
+        """Whether the input.requested that made approval request `request_id` is still kept."""
+        needle = b'"request_id":' + _enc.encode(request_id) + b","
+
+        def asks(body: bytes) -> bool:  # (the needle could be inside a tool's arguments too)
+            if needle not in body:
+                return False
+            data = _asked.decode(b"{" + body).data
+            return any(r.request_id == request_id for r in data.requests)
+
+        return await self.find_back(sid, InputRequested.TYPE, asks) is not None
 
     @translated
     async def exists(self, sid: str) -> bool:

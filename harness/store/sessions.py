@@ -210,6 +210,11 @@ class Store:
             raw = await self.wire.script(script.sha, script.source, keys, script.args(args))
         return script.reply(raw)
 
+    async def _read(self, script: p.Script[R], sid: str, args: msgspec.Struct) -> R:
+        """A script that writes nothing (not waited for by replicas, as a plain read is not)."""
+        keys = script.session_keys(sid)
+        return script.reply(await self.wire.read(script.sha, script.source, keys, script.args(args)))
+
     @staticmethod
     def _activity(sid: str, items: Sequence[Item], mode: CommitMode) -> dict[str, str]:
         """A turn's end or pause as its session's activity: when, and the start of its reply."""
@@ -306,7 +311,7 @@ class Store:
         for a message the source does not have; Conflict (`message_not_in_history`) for one
         whose turn left nothing in the active history (compacted away or cleared). Returns the
         new session's session.created."""
-        src = await self._run(p.FORK_READ, sid, p.ForkReadArgs(owner, before_message_id or ""))
+        src = await self._read(p.FORK_READ, sid, p.ForkReadArgs(owner, before_message_id or ""))
         if isinstance(src, p.Missing):
             raise _missing(sid)
         items = [item_decoder.decode(raw) for raw in src.items]
@@ -644,12 +649,12 @@ class Store:
         return Recorded(answer, event, runnable=res.left == 0, job=job)
 
     @translated
-    @translated
     async def request(self, sid: str, request_id: str) -> ApprovalRequest | None:
         """Approval request `request_id` of the session, if it has it (answered or not)."""
         raw = await self.redis.hget(SessionKeys(sid).pending, request_id)
         return request_decoder.decode(raw) if raw is not None else None
 
+    @translated
     async def open_requests(self, sid: str, meta: SessionMeta) -> list[ApprovalRequest]:
         """The paused turn's requests that have no answer yet, in the order they were made."""
         if not meta.waiting_on:
@@ -713,7 +718,7 @@ class Store:
         for the one after an earlier page; or, with `at` -1, from `offset` in the active
         history), at most `limit` items (0: all). Conflict (`history_replaced`) for an `at` the
         active history no longer holds."""
-        res = await self._run(p.HISTORY, sid, p.HistoryArgs(owner, at, offset, limit))
+        res = await self._read(p.HISTORY, sid, p.HistoryArgs(owner, at, offset, limit))
         if isinstance(res, p.Missing):
             raise _missing(sid)
         if isinstance(res, p.Replaced):

@@ -291,6 +291,11 @@ class Wire:
         """EVALSHA, its reply (see `script_with`)."""
         return (await self.script_with(sha, source, keys, args, ()))[0]
 
+    async def read(self, sha: str, source: str, keys: Sequence[Any], args: Sequence[Any]) -> Any:
+        """A script that writes nothing: its reply, not waited for by replicas (a read)."""
+        evalsha = ("EVALSHA", sha, len(keys), *keys, *args, *self.argv)
+        return (await run_script(self.pool, sha, source, [evalsha]))[0]
+
     async def script_with(
         self,
         sha: str,

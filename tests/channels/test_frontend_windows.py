@@ -92,3 +92,29 @@ async def test_a_usechat_resend_of_the_waiting_message_past_the_id_window_is_not
     info = (await c.get(f"/v1/sessions/{sid}")).json()
     assert info["queued"] == 0 and info["status"] == "waiting" and not runs
     await c.aclose()
+
+
+async def test_a_repeated_usechat_answer_after_the_event_window_is_refused_not_left_hanging(
+    serve: Any, redis: Redis
+) -> None:
+    """Two requests, one answered; the turn waits on the other. Once the events are gone, the
+    same answer again has nothing to stream after it that the client could be told apart from
+    what it has: 404, at once (not a stream that waits for an event that never comes)."""
+    agent, runs, _ = frontend_agent()
+    live = await serve(agent, event_retention_ms=300, idempotency_ms=300)
+    c = live.client()
+    sid = (await c.post("/v1/sessions")).json()["session_id"]
+    first = await chunks_of(c, "POST", "/v1/chat", {"id": sid, "messages": [user("pay 1 2", "m1")]})
+    asked = approval_of(first)
+    answer = {"id": sid, "messages": [answered(first[0]["messageId"], asked[:1], [True])]}
+    rest = await asyncio.wait_for(chunks_of(c, "POST", "/v1/chat", answer), 10)
+    assert rest[-2] == {"type": "finish", "finishReason": "tool-calls"}  # (waiting on the other)
+
+    async def gone() -> bool:
+        return not await redis.exists(SessionKeys(sid).outbox)
+
+    await eventually(gone, 5)
+    again = await asyncio.wait_for(c.post("/v1/chat", json=answer), 10)
+    assert again.status_code == 404 and again.json()["error"]["code"] == "request_not_found", again.text
+    assert (await c.get(f"/v1/sessions/{sid}")).json()["status"] == "waiting" and not runs
+    await c.aclose()

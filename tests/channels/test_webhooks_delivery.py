@@ -13,6 +13,7 @@ import pytest
 from redis.asyncio import Redis
 
 from channels.webhooks.addresses import PublicResolver
+from harness.store import streamids
 from harness.store.keys import SessionKeys
 from tests.channels.slack_support import echo_agent, eventually, relay_done
 from tests.channels.webhook_receiver import Delivery, Receiver
@@ -198,6 +199,9 @@ async def test_events_that_leave_the_outbox_before_delivery_are_listed_as_lost(
         await eventually(listed, 30)
         (lost,) = (await c.get(f"/v1/webhooks/{wid}/failures")).json()["failures"]
         assert lost["session_id"] == sid and lost["lost"] == 16, lost
+        # (where the relay stood: nothing delivered yet, so the subscription's start, before the session's)
+        created = (await c.get(f"/v1/sessions/{sid}")).json()["created_at"]
+        assert streamids.ms_of(lost["event_id"]) <= created * 1000
         assert "(seq 1-16) left the outbox before delivery" in lost["error"]
         assert not receiver.delivered("down")
         r = await c.post(f"/v1/sessions/{sid}/messages?wait=true", json={"text": "four"})

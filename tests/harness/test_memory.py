@@ -6,8 +6,8 @@ on the way: `history`, turns, the cache of history and forks go on as before."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -137,20 +137,24 @@ async def test_a_message_id_is_remembered_while_its_turn_waits_and_the_window_af
     assert len(received) == 1
 
 
-async def test_a_queued_or_steered_message_id_is_remembered_until_its_turn_ends(
-    stores: Callable[[], Store], redis: Redis
-) -> None:
+async def running(store: Store) -> tuple[str, Begun]:
+    """A new session whose first message's turn (`turn_head`, message `m-head`) is begun."""
+    sid = new_id("ses")
+    await store.create(sid, "o", {})
+    await store.submit(sid, "o", InboxMessage(message_id="m-head", turn_id="turn_head", text="head"))
+    begun = await store.begin(sid, "", 60_000)
+    assert isinstance(begun, Begun)
+    return sid, begun
+
+
+async def test_a_queued_or_steered_message_id_is_remembered_until_its_turn_ends(redis: Redis) -> None:
     """A message that waits in the queue behind a long turn, and one steered into that turn,
     resent later than the window: the same messages (neither is queued again); their windows
     start when the turns they are in end."""
     store = Store(redis, idempotency_ms=300)
     await store.start()
     try:
-        sid = new_id("ses")
-        await store.create(sid, "o", {})
-        await store.submit(sid, "o", InboxMessage(message_id="m-head", turn_id="turn_head", text="head"))
-        begun = await store.begin(sid, "", 60_000)
-        assert isinstance(begun, Begun)
+        sid, begun = await running(store)
         queued = InboxMessage(message_id="m-queued", turn_id="turn_queued", text="queued")
         steered = InboxMessage(message_id="m-steered", turn_id="turn_steered", text="steered")
         await store.submit(sid, "o", queued)
@@ -269,3 +273,27 @@ def test_events_are_kept_at_least_as_long_as_message_ids() -> None:
     assert Settings.from_env({"KEEL_EVENT_RETENTION_HOURS": "0.5", "KEEL_IDEMPOTENCY_HOURS": "0.25"})
     with pytest.raises(SettingsError, match="KEEL_EVENT_RETENTION_HOURS must be at least KEEL_IDEMPOTENCY_HOURS"):
         Settings.from_env({"KEEL_EVENT_RETENTION_HOURS": "1"})
+
+
+async def test_a_turn_with_thousands_of_messages_steered_into_it_ends(redis: Redis) -> None:
+    """The ids of the messages steered into a turn get their window as it ends, however many
+    (Lua's `unpack` takes some 8,000 values at most: they go in slices). A final commit that
+    failed there would have popped the inbox and written nothing else: the session broken."""
+    store = Store(redis, idempotency_ms=60_000)
+    await store.start()
+    try:
+        sid, begun = await running(store)
+        n = 8_500
+        for start in range(0, n, 500):
+            steered = [
+                InboxMessage(message_id=f"m-{k}", turn_id=f"turn_{k}", text="s") for k in range(start, start + 500)
+            ]
+            await asyncio.gather(*(store.submit(sid, "o", m, policy="steer") for m in steered))
+        step = await store.commit(sid, begun.fence, "turn_head", [], [], attempt=True)
+        assert len(step.steered) == n
+        await store.commit(sid, begun.fence, "turn_head", [], [], mode="final")
+        ttls = await redis.hpttl(SessionKeys(sid).mids, "m-head", "m-0", f"m-{n - 1}")
+        assert all(0 < t <= 60_000 for t in ttls), ttls
+        assert (await store.meta(sid, "o")).status == "idle"
+    finally:
+        await store.close()

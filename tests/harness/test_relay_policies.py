@@ -14,6 +14,7 @@ from redis.asyncio import Redis
 from harness.events import StoredEvent
 from harness.relay import Outbound, Retry, RetryPolicy
 from harness.store.deliveries import relay_job
+from harness.store.keys import SessionKeys
 from tests.channels.slack_support import echo_agent, eventually
 
 pytestmark = pytest.mark.asyncio
@@ -165,3 +166,50 @@ async def test_a_job_for_a_channel_this_process_does_not_serve_is_left_for_anoth
     await eventually(taken, 5.0)
     left = int(await redis.xlen("keel:{relay}:stream"))  # ... and not acknowledged
     assert left == 1, "the Slack job was acknowledged (and deleted) by a process that does not serve Slack"
+
+
+class Everything(Fake):
+    """Posts every event a session has (so the relay's cursor moves with each)."""
+
+    def render(self, event: StoredEvent, where: Mapping[str, Any], refs: Mapping[str, str]) -> list[Outbound]:
+        return [Outbound("post", f"e:{event.id}", {})]
+
+
+async def test_events_that_left_the_outbox_between_two_reads_are_listed_once_as_lost(
+    make_harness: Any, redis: Redis
+) -> None:
+    """The relay delivered up to seq 2; seqs 3-4 then leave the outbox (as its retention trims
+    it) while seq 5 stays: the relay lists 2 events lost after seq 2's event, delivers seq 5,
+    and a later read lists nothing again."""
+    dest = Everything("fake", None, "ok")
+    h = await make_harness(echo_agent(), run_turns=False, lease_ms=500)  # (the stopped relay's lease lapses soon)
+    await h.start_relay([dest])
+    sid = await h.sessions.create("k")
+    await h.sessions.submit(sid, "k", "one")  # seq 2 (no runner here: queued)
+    await redis.execute_command(*relay_job(sid, "fake"))
+
+    async def delivered(n: int) -> bool:
+        return len(dest.sends) == n
+
+    await eventually(lambda: delivered(2), 5.0)
+    await h.relay.stop()  # (the relay away meanwhile: it follows a running session live)
+    for text in ("two", "three", "four"):  # seqs 3, 4, 5
+        await h.sessions.submit(sid, "k", text)
+    events = await h.store.outbox.events(sid, "0-0")
+    assert [e.seq for e in events] == [1, 2, 3, 4, 5]
+    await redis.xtrim(SessionKeys(sid).outbox, minid=events[4].id, approximate=False)  # seqs 1-4 leave
+    await h.start_relay([dest])
+    await redis.execute_command(*relay_job(sid, "fake"))
+
+    async def listed() -> bool:
+        return bool(await h.store.deliveries.dead("fake"))
+
+    await eventually(listed, 5.0)
+    (lost,) = await h.store.deliveries.dead("fake")
+    assert (lost.event_id, lost.lost, lost.lost_from) == (events[1].id, 2, 3)
+    await eventually(lambda: delivered(3), 5.0)
+    assert dest.sends[-1][0] == f"e:{events[4].id}"
+    await h.sessions.submit(sid, "k", "five")  # seq 6: read next, after 5
+    await redis.execute_command(*relay_job(sid, "fake"))
+    await eventually(lambda: delivered(4), 5.0)
+    assert len(await h.store.deliveries.dead("fake")) == 1

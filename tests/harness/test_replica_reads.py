@@ -239,3 +239,21 @@ async def test_a_subscription_and_a_dead_letter_wait_for_a_replica(pair: Pair, l
         assert await replica.hget(SUBS, "wh_r5") is None
     finally:
         await store.close()
+
+
+async def test_a_history_read_waits_for_no_replica(pair: Pair, linked: tuple[Redis, Redis]) -> None:
+    """A page of history (and a fork's read) is read by a script that writes nothing: it is not
+    held up by a replica that lags, as the writes are (each waits for the replica)."""
+    primary, _ = linked
+    store = Store(primary, replicas=1, replica_wait_ms=WAIT_MS)
+    await store.start()
+    try:
+        await store.create("ses_r9", "o", {})
+        pair.stop_replica()
+        with pytest.raises(Unavailable):  # (a write the replica never answered, on the pooled link)
+            await store.submit("ses_r9", "o", message(1))
+        async with asyncio.timeout(WAIT_MS / 1000 / 2):  # (a WAIT would take WAIT_MS, then fail)
+            assert await store.history_page("ses_r9", "o") == (0, [])
+    finally:
+        pair.resume_replica()
+        await store.close()
