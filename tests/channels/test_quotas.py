@@ -96,6 +96,28 @@ async def test_a_full_queue_is_429_queue_full_and_a_repeat_still_answers(serve: 
         assert [i["text"] for i in history if i["role"] == "user"] == ["m0", "m1", "m2", "m3"]
 
 
+async def test_messages_steered_into_a_running_turn_count_against_the_queue(serve: Any, redis: Redis) -> None:
+    """Steered messages no model call took yet wait too: past KEEL_MAX_QUEUED they are 429
+    queue_full as queued ones are (a client cannot pile up messages on a running turn)."""
+    gate = asyncio.Event()
+    live = await serve(echo_agent(gate=gate), max_queued=2)
+    async with live.client() as c:
+        sid = (await c.post("/v1/sessions")).json()["session_id"]
+        assert (await c.post(f"/v1/sessions/{sid}/messages", json={"text": "m0"})).status_code == 202
+        for n in (1, 2):
+            r = await c.post(f"/v1/sessions/{sid}/messages", json={"text": f"s{n}", "policy": "steer"})
+            assert r.status_code == 202 and r.json()["handled"] == "steered", r.text
+        before = await session_keys(redis, sid)
+        full = await c.post(f"/v1/sessions/{sid}/messages", json={"text": "s3", "policy": "steer"})
+        assert full.status_code == 429 and full.json()["error"]["code"] == "queue_full"
+        assert await session_keys(redis, sid) == before
+        gate.set()
+        r = await c.post(f"/v1/sessions/{sid}/messages?wait=true", json={"text": "m4"})
+        assert r.json()["reply"] == "re:m4"
+        history = (await c.get(f"/v1/sessions/{sid}/history")).json()["items"]
+        assert [i["text"] for i in history if i["role"] == "user"] == ["m0", "s1", "s2", "m4"]
+
+
 async def test_readers_of_a_session_are_bounded(serve: Any) -> None:
     live = await serve(echo_agent(), max_readers=2)
     async with live.client() as c:
