@@ -119,7 +119,7 @@ class Failure(msgspec.Struct):
     event_id: str
     error: str
     at: float
-    lost: int = 0  # >0: that many events before `event_id` left the outbox undelivered (nothing to retry)
+    lost: int = 0  # >0: that many events after `event_id` left the outbox undelivered (nothing to retry)
 
 
 class FailureList(msgspec.Struct):

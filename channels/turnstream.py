@@ -235,18 +235,14 @@ class TurnReader:
         for a in answers:
             sessions.check_answer(a.request_id, a.decision, a.reason)
         first = answers[0].request_id
-        asking = await sessions.turn_asking(self.sid, self.owner, first)
-        turn_id, kept = asking if asking is not None else ("", False)
+        turn_id = await sessions.turn_asking(self.sid, self.owner, first)
         after = await sessions.turn_start(self.sid, self.owner, turn_id) if turn_id else None
-        if not turn_id or after is None:
+        if turn_id is None or after is None:
             raise ChannelError(404, "request_not_found", f"no approval request {first[:64]} in session {self.sid}")
         open_now = set(await sessions.pending(self.sid, self.owner))
-        if not kept and not any(a.request_id in open_now for a in answers):
-            # (answered before, and asked longer ago than events are kept: what the stream
-            # would show after the answers cannot be told from what the client has)
-            raise ChannelError(
-                404, "request_not_found", f"approval request {first[:64]} was answered, longer ago than events are kept"
-            )
+        # (a new answer writes where the rest begins; repeats only, it must still be kept)
+        ids = [a.request_id for a in answers]
+        kept = any(r in open_now for r in ids) or await sessions.answers_kept(self.sid, ids)
         # the answers to closed requests first: a repeat changes nothing, a conflict or an
         # unknown request fails before any new answer is recorded
         ordered = sorted(answers, key=lambda a: a.request_id in open_now)
@@ -259,18 +255,24 @@ class TurnReader:
                 except Conflict as exc:
                     if exc.details.get("decision") != "withdrawn":
                         raise
+            if not kept:  # (repeats, asked and answered longer ago than events are kept: what
+                # the stream would show after them cannot be told apart from what the client has)
+                raise ChannelError(
+                    404, "request_not_found", f"request {first[:64]} was answered longer ago than events are kept"
+                )
         except BaseException:
             self.give_place(armed)
             raise
-        ids = {a.request_id for a in answers}
+
+        answered = set(ids)
 
         def replayed(event: Followed) -> Muted:
             """The turn up to its requests, which the stream that asked sent; if they are no
             longer kept (asked longer ago than the event window, with all before them), what
             follows their answers' input.resolved."""
-            if isinstance(event, InputRequested) and any(r.request_id in ids for r in event.data.requests):
+            if isinstance(event, InputRequested) and any(r.request_id in answered for r in event.data.requests):
                 return "last"
-            if isinstance(event, InputResolved) and event.data.request_id in ids:
+            if isinstance(event, InputResolved) and event.data.request_id in answered:
                 return "open"
             return "muted"
 

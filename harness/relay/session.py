@@ -222,16 +222,17 @@ class Session:
         newest (none kept after `seen`: a check that the session is quiet says so, or not)."""
         if quiet and not await self.mark(check=self.seen):
             return  # (not quiet: they are there to read after all)
+        if self.seen != self.cursor:  # (first what was read: a relay that dies next finds the same loss)
+            await self.mark(cursor=self.seen, seq=self.seen_seq)
+            self.cursor, self.cursor_seq = self.seen, self.seen_seq
         n, first = last - self.seen_seq, self.seen_seq + 1
         error = f"{n} event(s) after this one (seq {first}-{last}) left the outbox before delivery"
         self.relay.stats.dead += 1
         log.warning("relay: %s/%s: %s", self.sid, self.dest.name, error)
         await self.relay.deliveries.bury(self.sid, self.seen, self.dest.name, error, 0, lost=(n, first))
-        # all up to them is accounted for: the cursor moves (a delivery that parks next resumes
-        # after them, and finds no loss again)
-        await self.mark(cursor=self.seen if self.seen != self.cursor else None, seq=last)
-        self.cursor, self.cursor_seq = self.seen, last
-        self.seen_seq = last
+        # all up to them is accounted for now (a delivery that parks next resumes after them)
+        await self.mark(seq=last)
+        self.cursor_seq = self.seen_seq = last
 
     async def deliver(self, event: StoredEvent, *, move_cursor: bool = True) -> None:
         outs = self.dest.render(event, self.where, self.refs)

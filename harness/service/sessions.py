@@ -431,15 +431,19 @@ class Sessions:
         begins = await self.store.outbox.turn_begins(sid, turn_id)  # (a turn that ended: looked for)
         return streamids.before(begins) if begins is not None else None
 
-    async def turn_asking(self, sid: str, owner: str, request_id: str) -> tuple[str, bool] | None:
+    async def turn_asking(self, sid: str, owner: str, request_id: str) -> str | None:
         """The id of the turn that made approval request `request_id`, if the session has it
-        (however long ago it was asked), and whether its input.requested is still kept."""
+        (however long ago it was asked: its event may have left the outbox)."""
         check_session_id(sid)
         await self.store.look(sid, owner)
         request = await self.store.request(sid, request_id)
-        if request is None:
-            return None
-        return request.turn_id, await self.store.outbox.asked(sid, request_id)
+        return request.turn_id if request is not None else None
+
+    async def answers_kept(self, sid: str, request_ids: list[str]) -> bool:
+        """Whether the outbox still holds where the rest of a turn after answers to these
+        requests begins: the first one's input.requested, or an input.resolved of one of them."""
+        outbox = self.store.outbox
+        return await outbox.asked(sid, request_ids[0]) or await outbox.answered(sid, request_ids)
 
     @staticmethod
     def before(event_id: str) -> str:

@@ -154,10 +154,8 @@ local h = head and A.policy ~= 'queue' and cjson.decode(head) or nil
 if h and A.policy == 'reject' then return reply({tag = 'rejected'}) end
 -- (the inbox's head is the turn in progress: `max_queued` may wait behind it, steered ones
 -- that no model call took yet counted too)
-if head and A.max_queued > 0 then
-  local waiting = redis.call('LLEN', K.inbox)
-  if A.policy == 'steer' then waiting = waiting + redis.call('LLEN', K.steer) end
-  if waiting > A.max_queued then return reply({tag = 'full'}) end
+if head and A.max_queued > 0 and redis.call('LLEN', K.inbox) + redis.call('LLEN', K.steer) > A.max_queued then
+  return reply({tag = 'full'})
 end
 -- the list's view of the session: its latest activity, the start of its last message, and its
 -- title until one is set (the start of its first message)

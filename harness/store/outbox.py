@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Collection
 from typing import Any
 
 import msgspec
@@ -20,6 +20,7 @@ import msgspec
 from harness.events import (
     InputRequested,
     InputRequestedData,
+    InputResolved,
     LiveEvent,
     MessageCompleted,
     MessageReceived,
@@ -124,6 +125,11 @@ class Outbox:
             return any(r.request_id == request_id for r in data.requests)
 
         return await self.find_back(sid, InputRequested.TYPE, asks) is not None
+
+    async def answered(self, sid: str, request_ids: Collection[str]) -> bool:
+        """Whether an input.resolved of one of `request_ids` is still kept."""
+        needles = [b'"request_id":' + _enc.encode(r) + b"," for r in request_ids]
+        return await self.find_back(sid, InputResolved.TYPE, lambda b: any(n in b for n in needles)) is not None
 
     @translated
     async def exists(self, sid: str) -> bool:

@@ -10,6 +10,8 @@ from typing import Any
 
 from redis.asyncio import Redis
 
+from harness import Agent, ToolContext, tool
+from harness.models import ModelReply, ModelRequest, ScriptedModel, ToolCall
 from harness.store.keys import SessionKeys
 from tests.channels.slack_support import eventually
 from tests.channels.test_frontends import answered, approval_of, chunks_of, user
@@ -117,4 +119,70 @@ async def test_a_repeated_usechat_answer_after_the_event_window_is_refused_not_l
     again = await asyncio.wait_for(c.post("/v1/chat", json=answer), 10)
     assert again.status_code == 404 and again.json()["error"]["code"] == "request_not_found", again.text
     assert (await c.get(f"/v1/sessions/{sid}")).json()["status"] == "waiting" and not runs
+    await c.aclose()
+
+
+async def test_a_different_usechat_answer_after_the_event_window_is_409_already_answered(
+    serve: Any, redis: Redis
+) -> None:
+    agent, _, _ = frontend_agent()
+    live = await serve(agent, event_retention_ms=300, idempotency_ms=300)
+    c = live.client()
+    sid = (await c.post("/v1/sessions")).json()["session_id"]
+    first = await chunks_of(c, "POST", "/v1/chat", {"id": sid, "messages": [user("pay 1 2", "m1")]})
+    asked = approval_of(first)
+    yes = {"id": sid, "messages": [answered(first[0]["messageId"], asked[:1], [True])]}
+    await asyncio.wait_for(chunks_of(c, "POST", "/v1/chat", yes), 10)
+
+    async def gone() -> bool:
+        return not await redis.exists(SessionKeys(sid).outbox)
+
+    await eventually(gone, 5)
+    no = {"id": sid, "messages": [answered(first[0]["messageId"], asked[:1], [False])]}
+    r = await c.post("/v1/chat", json=no)
+    assert r.status_code == 409 and r.json()["error"]["code"] == "already_answered", r.text
+    await c.aclose()
+
+
+async def test_a_repeated_usechat_answer_streams_while_its_answers_event_is_kept(serve: Any, redis: Redis) -> None:
+    """The request asked longer ago than events are kept, answered just now: the same answer
+    again streams the rest of the turn from that answer's input.resolved, as within the window."""
+    gate = asyncio.Event()
+
+    @tool(approval=True)
+    async def pay(amount: int, ctx: ToolContext) -> str:
+        """Pay."""
+        await gate.wait()
+        return f"paid {amount}"
+
+    def script(r: ModelRequest) -> ModelReply:
+        if r.messages[-1].role == "tool":
+            return ModelReply(text="Done")
+        return ModelReply(text="I will pay.", tool_calls=[ToolCall("pay", {"amount": 3})])
+
+    agent = Agent(instructions="t", tools=[pay], model=ScriptedModel(script))
+    live = await serve(agent, event_retention_ms=300, idempotency_ms=300)
+    c = live.client()
+    sid = (await c.post("/v1/sessions")).json()["session_id"]
+    first = await chunks_of(c, "POST", "/v1/chat", {"id": sid, "messages": [user("pay", "m1")]})
+    asked = approval_of(first)
+
+    async def gone() -> bool:
+        return not await redis.exists(SessionKeys(sid).outbox)
+
+    await eventually(gone, 5)
+    body = {"id": sid, "messages": [answered(first[0]["messageId"], asked, [True])]}
+    streams = [asyncio.create_task(chunks_of(c, "POST", "/v1/chat", body))]
+
+    async def running() -> bool:
+        return bool((await c.get(f"/v1/sessions/{sid}")).json()["status"] == "running")
+
+    await eventually(running, 5)  # (the tool runs, held at the gate)
+    began = asyncio.Event()
+    streams.append(asyncio.create_task(chunks_of(c, "POST", "/v1/chat", body, began)))  # the same answer again
+    await asyncio.wait_for(began.wait(), 10)  # (accepted, and streaming, while the turn runs)
+    gate.set()
+    for got in await asyncio.wait_for(asyncio.gather(*streams), 10):
+        out = next(g for g in got[:-1] if g["type"] == "tool-output-available")
+        assert out["output"] == "paid 3" and got[-2] == {"type": "finish", "finishReason": "stop"}
     await c.aclose()
