@@ -152,8 +152,7 @@ class Session:
                 if not isinstance(item, StoredEvent):
                     continue  # live events (message.delta) are not delivered
                 if self.seen_seq < 0:  # (a place first known: right before the first event read)
-                    self.seen_seq = item.seq - 1
-                    self.cursor_seq = self.seen_seq if self.seen == self.cursor else self.cursor_seq
+                    self.cursor_seq = self.seen_seq = item.seq - 1
                 elif item.seq > self.seen_seq + 1:
                     await self._lost(item.seq - 1)
                 await self.deliver(item)
@@ -176,7 +175,7 @@ class Session:
             if newest is not None and newest > self.seen_seq:
                 await self._lost(newest, quiet=True)
         cursor = self.seen if self.seen != self.cursor else None
-        seq = self.seen_seq if self.seen_seq >= 0 and (cursor is not None or self.seen_seq != self.cursor_seq) else None
+        seq = self.seen_seq if cursor is not None and self.seen_seq >= 0 else None
         self.released = bool(await self.mark(cursor=cursor, seq=seq, check=self.seen, release=True))
         return self.released
 

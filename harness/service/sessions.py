@@ -441,9 +441,8 @@ class Sessions:
 
     async def answers_kept(self, sid: str, request_ids: list[str]) -> bool:
         """Whether the outbox still holds where the rest of a turn after answers to these
-        requests begins: the first one's input.requested, or an input.resolved of one of them."""
-        outbox = self.store.outbox
-        return await outbox.asked(sid, request_ids[0]) or await outbox.answered(sid, request_ids)
+        requests begins: an input.requested of one of them, or an input.resolved."""
+        return await self.store.outbox.answers_kept(sid, request_ids)
 
     @staticmethod
     def before(event_id: str) -> str:

@@ -269,12 +269,22 @@ if A.rebase then
   local rebased = {hist_start = before, turn_start = before + A.rebase, hist_base = base, last_in = 0, last_est = 0}
   msets(rebased)
 end
-local asked = {}  -- (the turn's requests: their window starts as it ends)
+-- `joined` and `asked` in the meta: the ids of the messages steered into the turn and of its
+-- approval requests, whose windows start as the turn ends
+local function ids_of(f)
+  local t = {}
+  for id in string.gmatch(mget(f) or '', '%S+') do t[#t + 1] = id end
+  return t
+end
+local function add_ids(f, t)
+  if #t > 0 then mset(f, (mget(f) or '') .. ' ' .. table.concat(t, ' ')) end
+end
+local asked = {}
 for _, r in ipairs(A.requests) do
   redis.call('HSET', K.pending, r.request_id, r.json)
   asked[#asked + 1] = r.request_id
 end
-if #asked > 0 then mset('asked', ((mget('asked') or '') .. ' ' .. table.concat(asked, ' '))) end
+add_ids('asked', asked)
 local resolved = {}  -- which of the given answers were set (and emitted), 0-based
 for j, a in ipairs(A.answers) do
   if redis.call('HSETNX', K.decisions, a.request_id, a.json) == 1 then
@@ -304,7 +314,7 @@ if A.attempt and not cancel and A.mode == 'step' then
   end
   if #steered > 0 then
     redis.call('DEL', K.steer)
-    mset('joined', ((mget('joined') or '') .. ' ' .. table.concat(joined, ' ')))  -- (their ids' windows: `final`)
+    add_ids('joined', joined)
   end
 end
 local out = {tag = 'ok', ids = ids, length = length, cancel = cancel, first_seq = first_seq, resolved = resolved,
@@ -322,16 +332,14 @@ elseif A.mode == 'final' then
   local done = redis.call('LPOP', K.inbox)
   -- the turn's message ids (its own, and those steered into it) are remembered for the window
   -- from now on (a compact's or clear's entry has no recorded id: nothing to expire)
-  local ids = {}
-  for mid in string.gmatch(mget('joined') or '', '%S+') do ids[#ids + 1] = mid end
+  local ids = ids_of('joined')
   if done then  -- (an id of other characters, escaped in the entry's JSON: decoded)
     ids[#ids + 1] = string.match(done, '^{"message_id":"([%w._:%-]*)"') or cjson.decode(done).message_id
   end
   windowed(K.mids, ids)
   mset('joined', false)
   -- and so are its approval requests and their answers (a repeated answer: the same one)
-  local rids = {}
-  for rid in string.gmatch(mget('asked') or '', '%S+') do rids[#rids + 1] = rid end
+  local rids = ids_of('asked')
   windowed(K.pending, rids)
   windowed(K.decisions, rids)
   mset('asked', false)

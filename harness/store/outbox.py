@@ -84,11 +84,11 @@ class Outbox:
 
     @translated
     async def find_back(
-        self, sid: str, etype: str, found: Callable[[bytes], bool], *, within: int = SCAN_MAX
+        self, sid: str, etypes: tuple[str, ...], found: Callable[[bytes, bytes], bool], *, within: int = SCAN_MAX
     ) -> StoredEvent | None:
-        """The newest `etype` event whose stored body `found` accepts, looked for from the
-        newest event back, at most `within` events; None if there is none."""
-        keys, end, wanted = SessionKeys(sid), "+", etype.encode()
+        """The newest event of one of `etypes` whose type and stored body `found` accepts,
+        looked for from the newest event back, at most `within` events; None if there is none."""
+        keys, end, wanted = SessionKeys(sid), "+", {t.encode() for t in etypes}
         if self.wire.replicas is not None:  # (from the newest event a replica has)
             (shown,) = raised(await self.wire.call([("HGET", keys.meta, REPLICATED)]))
             if shown is None:
@@ -99,7 +99,7 @@ class Outbox:
             (raw,) = raised(await self.wire.call([("XREVRANGE", keys.outbox, end, "-", "COUNT", BATCH)]))
             for eid, f in raw:
                 fields = dict(zip(f[::2], f[1::2], strict=True))
-                if fields[b"t"] == wanted and found(fields[b"b"]):
+                if fields[b"t"] in wanted and found(fields[b"t"], fields[b"b"]):
                     return envelope(sid, eid, fields)
             if len(raw) < BATCH:
                 return None
@@ -111,25 +111,24 @@ class Outbox:
         """The stream id of `turn_id`'s message.received: the first event of a turn, written
         once, however often the turn begins again after a crash."""
         head = b'"turn_id":' + _enc.encode(turn_id) + b","
-        event = await self.find_back(sid, MessageReceived.TYPE, lambda b: b.startswith(head))
+        event = await self.find_back(sid, (MessageReceived.TYPE,), lambda _, b: b.startswith(head))
         return event.id if event is not None else None
 
-    async def asked(self, sid: str, request_id: str) -> bool:
-        """Whether the input.requested that made approval request `request_id` is still kept."""
-        needle = b'"request_id":' + _enc.encode(request_id) + b","
-
-        def asks(body: bytes) -> bool:  # (the needle could be inside a tool's arguments too)
-            if needle not in body:
-                return False
-            data = _asked.decode(b"{" + body).data
-            return any(r.request_id == request_id for r in data.requests)
-
-        return await self.find_back(sid, InputRequested.TYPE, asks) is not None
-
-    async def answered(self, sid: str, request_ids: Collection[str]) -> bool:
-        """Whether an input.resolved of one of `request_ids` is still kept."""
+    async def answers_kept(self, sid: str, request_ids: Collection[str]) -> bool:
+        """Whether an input.requested that asked one of `request_ids`, or an input.resolved that
+        answered one, is still kept (one look back)."""
         needles = [b'"request_id":' + _enc.encode(r) + b"," for r in request_ids]
-        return await self.find_back(sid, InputResolved.TYPE, lambda b: any(n in b for n in needles)) is not None
+        resolved = InputResolved.TYPE.encode()
+
+        def mentions(etype: bytes, body: bytes) -> bool:
+            if not any(n in body for n in needles):
+                return False
+            if etype == resolved:
+                return True
+            # (in an input.requested the needle could be inside a tool's arguments too)
+            return any(r.request_id in request_ids for r in _asked.decode(b"{" + body).data.requests)
+
+        return await self.find_back(sid, (InputRequested.TYPE, InputResolved.TYPE), mentions) is not None
 
     @translated
     async def exists(self, sid: str) -> bool:

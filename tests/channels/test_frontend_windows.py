@@ -19,6 +19,15 @@ from tests.frontend_agent import frontend_agent
 from tests.harness.test_memory import window_passed
 
 
+async def outbox_gone(redis: Redis, sid: str) -> None:
+    """Until the session's events have all left the outbox (its window passed)."""
+
+    async def gone() -> bool:
+        return not await redis.exists(SessionKeys(sid).outbox)
+
+    await eventually(gone, 5)
+
+
 async def paused_then_outbox_gone(serve: Any, redis: Redis) -> tuple[Any, str, dict[str, Any], list[Any], Any]:
     """A useChat turn that asked to pay 30 and waits, its events since gone with the window."""
     agent, runs, _ = frontend_agent()
@@ -28,10 +37,7 @@ async def paused_then_outbox_gone(serve: Any, redis: Redis) -> tuple[Any, str, d
     first = await chunks_of(c, "POST", "/v1/chat", {"id": sid, "messages": [user("pay 30", "m1")]})
     (asked,) = approval_of(first)
 
-    async def gone() -> bool:
-        return not await redis.exists(SessionKeys(sid).outbox)
-
-    await eventually(gone, 5)
+    await outbox_gone(redis, sid)
     info = (await c.get(f"/v1/sessions/{sid}")).json()
     assert info["status"] == "waiting" and [p["request_id"] for p in info["pending"]] == [asked["approvalId"]]
     return c, sid, asked, first, runs
@@ -112,10 +118,7 @@ async def test_a_repeated_usechat_answer_after_the_event_window_is_refused_not_l
     rest = await asyncio.wait_for(chunks_of(c, "POST", "/v1/chat", answer), 10)
     assert rest[-2] == {"type": "finish", "finishReason": "tool-calls"}  # (waiting on the other)
 
-    async def gone() -> bool:
-        return not await redis.exists(SessionKeys(sid).outbox)
-
-    await eventually(gone, 5)
+    await outbox_gone(redis, sid)
     again = await asyncio.wait_for(c.post("/v1/chat", json=answer), 10)
     assert again.status_code == 404 and again.json()["error"]["code"] == "request_not_found", again.text
     assert (await c.get(f"/v1/sessions/{sid}")).json()["status"] == "waiting" and not runs
@@ -134,10 +137,7 @@ async def test_a_different_usechat_answer_after_the_event_window_is_409_already_
     yes = {"id": sid, "messages": [answered(first[0]["messageId"], asked[:1], [True])]}
     await asyncio.wait_for(chunks_of(c, "POST", "/v1/chat", yes), 10)
 
-    async def gone() -> bool:
-        return not await redis.exists(SessionKeys(sid).outbox)
-
-    await eventually(gone, 5)
+    await outbox_gone(redis, sid)
     no = {"id": sid, "messages": [answered(first[0]["messageId"], asked[:1], [False])]}
     r = await c.post("/v1/chat", json=no)
     assert r.status_code == 409 and r.json()["error"]["code"] == "already_answered", r.text
@@ -167,10 +167,7 @@ async def test_a_repeated_usechat_answer_streams_while_its_answers_event_is_kept
     first = await chunks_of(c, "POST", "/v1/chat", {"id": sid, "messages": [user("pay", "m1")]})
     asked = approval_of(first)
 
-    async def gone() -> bool:
-        return not await redis.exists(SessionKeys(sid).outbox)
-
-    await eventually(gone, 5)
+    await outbox_gone(redis, sid)
     body = {"id": sid, "messages": [answered(first[0]["messageId"], asked, [True])]}
     streams = [asyncio.create_task(chunks_of(c, "POST", "/v1/chat", body))]
 
