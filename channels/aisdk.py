@@ -317,5 +317,6 @@ async def chat_stream(request: Request) -> Response:
     at = await reader.harness.sessions.turn_in_progress(reader.sid, reader.owner)
     if at is None:
         return Response(status_code=204)
+    upto = await reader.harness.sessions.newest_event(reader.sid)  # (it may wait on requests no longer kept)
     reader.take_place()
-    return reader.response(reader.frames(at.turn_id, at.after, UiStream(at.turn_id)), HEADERS)
+    return reader.response(reader.frames(at.turn_id, at.after, UiStream(at.turn_id), upto=upto), HEADERS)

@@ -14,7 +14,7 @@ import contextlib
 import functools
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, NamedTuple, Protocol
+from typing import Literal, NamedTuple, Protocol, cast
 
 import msgspec
 from starlette.requests import Request
@@ -42,6 +42,13 @@ from harness.events import (
 from harness.types import Armed
 
 Followed = Event | MessageDelta
+
+
+class CaughtUp:
+    """A replay's mark: the events the outbox held when the stream began have all been read."""
+
+
+CAUGHT_UP = CaughtUp()
 Muted = Literal["muted", "last", "open"]  # an event replayed to the translator only, the last such, or the first sent
 
 
@@ -162,12 +169,17 @@ class TurnReader:
         return cls(request, request.app.state.harness, sid, owner)
 
     async def follow(
-        self, turn_id: str, after: str, armed: Armed | None = None
-    ) -> AsyncGenerator[Followed | SessionDeleted | None, None]:
+        self, turn_id: str, after: str, armed: Armed | None = None, upto: str | None = None
+    ) -> AsyncGenerator[Followed | SessionDeleted | CaughtUp | None, None]:
         """The turn's committed events after `after`, then live, with its deltas; None for a
         heartbeat; a SessionDeleted last if the session ends. Never ends by itself otherwise:
-        the caller stops at the event it waits for."""
+        the caller stops at the event it waits for. With `upto` (an event id), CAUGHT_UP once
+        the session's events up to it have been read (at once if `after` is not before it)."""
         beat: float = self.request.app.state.sse_heartbeat
+        reached = self.harness.sessions.reached
+        ahead = upto is not None and not reached(after, upto)
+        if upto is not None and not ahead:
+            yield CAUGHT_UP
         async for item in self.harness.sessions.tail(self.sid, after, heartbeat=beat, armed=armed):
             if item is None:
                 yield None
@@ -182,6 +194,9 @@ class TurnReader:
                 event = item.decoded()
                 if event.turn_id == turn_id:
                     yield event
+                if ahead and reached(item.id, cast(str, upto)):
+                    ahead = False
+                    yield CAUGHT_UP
 
     async def frames(
         self,
@@ -191,17 +206,32 @@ class TurnReader:
         *,
         muted: Callable[[Followed], Muted] | None = None,
         armed: Armed | None = None,
+        upto: str | None = None,
     ) -> AsyncIterator[bytes]:
         """The translator's frames for the turn, from its opening to its closing: after the
         turn's outcome, or the approval requests it waits on (those still open when read).
         `muted`: the events the client was sent already (fed to the translator, not sent), up to
-        the `last` of them or the first `open` one."""
+        the `last` of them or the first `open` one. `upto`: the session's newest event when the
+        stream began (`newest_event`), for a replay of a turn that may wait on requests asked
+        longer ago than events are kept: once the replay has read it, requests the turn waits
+        on that it did not show close the stream, rebuilt from the session's record of them
+        (sent unless `muted`: an answer's client was shown them with those it answers)."""
+        answering = muted is not None
         yield translator.opening()
-        async with contextlib.aclosing(self.follow(turn_id, after, armed)) as events:
+        async with contextlib.aclosing(self.follow(turn_id, after, armed, upto)) as events:
             async for event in events:
                 if event is None:
                     yield KEEP_ALIVE
                     continue
+                if isinstance(event, CaughtUp):
+                    asked = await self._asking(turn_id)
+                    if asked is None:
+                        continue
+                    out = translator.feed(asked)
+                    if out and not answering:
+                        yield out
+                    yield translator.closing(asked)
+                    return
                 if isinstance(event, SessionDeleted):
                     yield translator.closing(event)
                     return
@@ -260,6 +290,7 @@ class TurnReader:
                 raise ChannelError(
                     404, "request_not_found", f"request {first[:64]} was answered longer ago than events are kept"
                 )
+            upto = await sessions.newest_event(self.sid)  # (after the answers: their events are read first)
         except BaseException:
             self.give_place(armed)
             raise
@@ -276,7 +307,15 @@ class TurnReader:
                 return "open"
             return "muted"
 
-        return self.frames(turn_id, after, translator, muted=replayed, armed=armed)
+        return self.frames(turn_id, after, translator, muted=replayed, armed=armed, upto=upto)
+
+    async def _asking(self, turn_id: str) -> InputRequested | None:
+        """The requests turn `turn_id` waits on now, rebuilt (None: none, or the session ended:
+        its reader is told next)."""
+        try:
+            return await self.harness.sessions.asking(self.sid, self.owner, turn_id)
+        except NotFound:
+            return None
 
     async def _waits_on(self, asked: InputRequested) -> InputRequested | None:
         """The requests of `asked` the turn still waits on (None: all answered; it went on)."""
@@ -339,6 +378,7 @@ class TurnReader:
                 if done.duplicate
                 else None
             )
+            upto = await harness.sessions.newest_event(sid) if done.duplicate else None  # (a replay)
             if sent is not None and sent != text:
                 raise ChannelError(
                     409,
@@ -350,5 +390,5 @@ class TurnReader:
             self.give_place(armed)
             raise
         after = harness.sessions.before(done.received_id)
-        frames = self.frames(done.turn_id, after, translator(done.turn_id), armed=armed)
+        frames = self.frames(done.turn_id, after, translator(done.turn_id), armed=armed, upto=upto)
         return self.response(frames, headers, armed)

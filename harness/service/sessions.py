@@ -19,7 +19,15 @@ import msgspec
 
 from harness import failpoints
 from harness.errors import Conflict, InvalidInput, NotFound
-from harness.events import LiveEvent, MessageReceived, MessageSteered, Requested, StoredEvent
+from harness.events import (
+    InputRequested,
+    InputRequestedData,
+    LiveEvent,
+    MessageReceived,
+    MessageSteered,
+    Requested,
+    StoredEvent,
+)
 from harness.ids import MESSAGE_ID, SESSION_ID, new_id
 from harness.loop.context import split_context
 from harness.runner import Runner
@@ -444,10 +452,38 @@ class Sessions:
         requests begins: an input.requested of one of them, or an input.resolved."""
         return await self.store.outbox.answers_kept(sid, request_ids)
 
+    async def newest_event(self, sid: str) -> str:
+        """The id of the session's newest event now, as a reader reads them: a replay that has
+        read it has caught up with the outbox as it was (START when it holds none)."""
+        return await self.store.outbox.newest(sid)
+
+    async def asking(self, sid: str, owner: str, turn_id: str) -> InputRequested | None:
+        """The approval requests turn `turn_id` waits on now, as an input.requested rebuilt
+        from the session's record of them (`pending`): for a reader whose replay of the turn
+        lacks the event that asked them, which left the outbox (asked longer ago than events
+        are kept). It has no place in the outbox (id "", seq 0). None when the turn waits on
+        nothing."""
+        check_session_id(sid)
+        meta = await self.store.meta(sid, owner)
+        requests = [
+            Requested(r.request_id, r.tool, r.arguments)
+            for r in await self.store.open_requests(sid, meta)
+            if r.turn_id == turn_id
+        ]
+        if not requests:
+            return None
+        data = InputRequestedData(requests=requests)
+        return InputRequested(session_id=sid, turn_id=turn_id, at=time.time(), id="", seq=0, data=data)
+
     @staticmethod
     def before(event_id: str) -> str:
         """Where a replay that begins with event `event_id` starts."""
         return streamids.before(event_id)
+
+    @staticmethod
+    def reached(event_id: str, mark: str) -> bool:
+        """Whether a reader that has read event `event_id` has read up to event `mark`."""
+        return streamids.key(event_id) >= streamids.key(mark)
 
     async def pending(self, sid: str, owner: str) -> list[str]:
         """The ids of the approval requests the session waits for, in the order they were made."""

@@ -131,6 +131,17 @@ class Outbox:
         return await self.find_back(sid, (InputRequested.TYPE, InputResolved.TYPE), mentions) is not None
 
     @translated
+    async def newest(self, sid: str) -> str:
+        """The id of the newest event a reader would read now (START with none): with replicas,
+        the newest a replica is known to have."""
+        keys = SessionKeys(sid)
+        if self.wire.replicas is not None:
+            (shown,) = raised(await self.wire.call([("HGET", keys.meta, REPLICATED)]))
+            return shown.decode() if shown is not None else streamids.START
+        (raw,) = raised(await self.wire.call([("XREVRANGE", keys.outbox, "+", "-", "COUNT", 1)]))
+        return raw[0][0].decode() if raw else streamids.START
+
+    @translated
     async def exists(self, sid: str) -> bool:
         """Whether the session is there (a reader's look: no owner check)."""
         return bool(await self.redis.exists(SessionKeys(sid).meta))

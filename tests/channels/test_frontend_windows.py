@@ -102,18 +102,23 @@ async def test_a_usechat_resend_of_the_waiting_message_past_the_id_window_is_not
     await c.aclose()
 
 
+async def asked_two(serve: Any) -> tuple[Any, str, list[Any], list[dict[str, Any]], Any]:
+    """A useChat turn that asked to pay 1 and 2 together and waits (windows of 300 ms)."""
+    agent, runs, _ = frontend_agent()
+    live = await serve(agent, event_retention_ms=300, idempotency_ms=300)
+    c = live.client()
+    sid = (await c.post("/v1/sessions")).json()["session_id"]
+    first = await chunks_of(c, "POST", "/v1/chat", {"id": sid, "messages": [user("pay 1 2", "m1")]})
+    return c, sid, first, approval_of(first), runs
+
+
 async def test_a_repeated_usechat_answer_after_the_event_window_is_refused_not_left_hanging(
     serve: Any, redis: Redis
 ) -> None:
     """Two requests, one answered; the turn waits on the other. Once the events are gone, the
     same answer again has nothing to stream after it that the client could be told apart from
     what it has: 404, at once (not a stream that waits for an event that never comes)."""
-    agent, runs, _ = frontend_agent()
-    live = await serve(agent, event_retention_ms=300, idempotency_ms=300)
-    c = live.client()
-    sid = (await c.post("/v1/sessions")).json()["session_id"]
-    first = await chunks_of(c, "POST", "/v1/chat", {"id": sid, "messages": [user("pay 1 2", "m1")]})
-    asked = approval_of(first)
+    c, sid, first, asked, runs = await asked_two(serve)
     answer = {"id": sid, "messages": [answered(first[0]["messageId"], asked[:1], [True])]}
     rest = await asyncio.wait_for(chunks_of(c, "POST", "/v1/chat", answer), 10)
     assert rest[-2] == {"type": "finish", "finishReason": "tool-calls"}  # (waiting on the other)
@@ -128,12 +133,7 @@ async def test_a_repeated_usechat_answer_after_the_event_window_is_refused_not_l
 async def test_a_different_usechat_answer_after_the_event_window_is_409_already_answered(
     serve: Any, redis: Redis
 ) -> None:
-    agent, _, _ = frontend_agent()
-    live = await serve(agent, event_retention_ms=300, idempotency_ms=300)
-    c = live.client()
-    sid = (await c.post("/v1/sessions")).json()["session_id"]
-    first = await chunks_of(c, "POST", "/v1/chat", {"id": sid, "messages": [user("pay 1 2", "m1")]})
-    asked = approval_of(first)
+    c, sid, first, asked, _ = await asked_two(serve)
     yes = {"id": sid, "messages": [answered(first[0]["messageId"], asked[:1], [True])]}
     await asyncio.wait_for(chunks_of(c, "POST", "/v1/chat", yes), 10)
 
@@ -182,4 +182,67 @@ async def test_a_repeated_usechat_answer_streams_while_its_answers_event_is_kept
     for got in await asyncio.wait_for(asyncio.gather(*streams), 10):
         out = next(g for g in got[:-1] if g["type"] == "tool-output-available")
         assert out["output"] == "paid 3" and got[-2] == {"type": "finish", "finishReason": "stop"}
+    await c.aclose()
+
+
+# ---- a turn that waits longer than events are kept: its requests close the stream -----------
+
+
+async def test_a_usechat_resume_of_a_turn_waiting_past_the_event_window_shows_its_request(
+    serve: Any, redis: Redis
+) -> None:
+    """The input.requested left the outbox with everything before it: the stream is made of the
+    requests the turn still waits on, and closes as it did when they were asked."""
+    c, sid, asked, _, runs = await paused_then_outbox_gone(serve, redis)
+    again = await asyncio.wait_for(chunks_of(c, "GET", f"/v1/chat/{sid}/stream"), 10)
+    (shown,) = approval_of(again)
+    assert shown["approvalId"] == asked["approvalId"] and shown["toolCallId"] == asked["toolCallId"]
+    call = next(g for g in again if g["type"] == "tool-input-available")
+    assert call["toolName"] == "pay" and call["input"] == {"amount": 30}
+    assert again[-2] == {"type": "finish", "finishReason": "tool-calls"} and again[-1] == "[DONE]"
+    assert not runs
+    await c.aclose()
+
+
+async def test_a_usechat_resend_of_a_message_waiting_past_the_event_window_shows_its_request(
+    serve: Any, redis: Redis
+) -> None:
+    c, sid, asked, _, runs = await paused_then_outbox_gone(serve, redis)
+    body = {"id": sid, "messages": [user("pay 30", "m1")]}
+    again = await asyncio.wait_for(chunks_of(c, "POST", "/v1/chat", body), 10)
+    assert [a["approvalId"] for a in approval_of(again)] == [asked["approvalId"]]
+    assert again[-2] == {"type": "finish", "finishReason": "tool-calls"}
+    info = (await c.get(f"/v1/sessions/{sid}")).json()
+    assert info["queued"] == 0 and info["status"] == "waiting" and not runs
+    await c.aclose()
+
+
+async def test_answering_one_of_two_requests_past_the_event_window_streams_the_other(serve: Any, redis: Redis) -> None:
+    """Both asked longer ago than events are kept; one answered now: the stream ends as it does
+    within the window, waiting on the other (shown with it when they were asked, not again),
+    and answering that one runs both calls."""
+    c, sid, first, asked, runs = await asked_two(serve)
+    await outbox_gone(redis, sid)
+
+    one = {"id": sid, "messages": [answered(first[0]["messageId"], asked[:1], [True])]}
+    rest = await asyncio.wait_for(chunks_of(c, "POST", "/v1/chat", one), 10)
+    assert approval_of(rest) == [] and rest[-2] == {"type": "finish", "finishReason": "tool-calls"}
+    both = {"id": sid, "messages": [answered(first[0]["messageId"], asked, [True, True])]}
+    done = await asyncio.wait_for(chunks_of(c, "POST", "/v1/chat", both), 10)
+    outputs = sorted(g["output"] for g in done[:-1] if g["type"] == "tool-output-available")
+    assert outputs == ["paid 1", "paid 2"] and done[-2] == {"type": "finish", "finishReason": "stop"}
+    assert sorted(runs.values()) == [1, 1]
+    await c.aclose()
+
+
+async def test_an_ag_ui_rerun_of_a_turn_waiting_past_the_event_window_is_interrupted_again(
+    serve: Any, redis: Redis
+) -> None:
+    c, sid, asked, _, runs = await paused_then_outbox_gone(serve, redis)
+    run = {"threadId": sid, "runId": "r2", "messages": [{"id": "m1", "role": "user", "content": "pay 30"}]}
+    got = await asyncio.wait_for(chunks_of(c, "POST", "/v1/agui", run), 10)
+    outcome = got[-1]["outcome"]
+    assert got[-1]["type"] == "RUN_FINISHED" and outcome["type"] == "interrupt"
+    assert [i["id"] for i in outcome["interrupts"]] == [asked["approvalId"]]
+    assert not runs
     await c.aclose()

@@ -100,6 +100,8 @@ async def test_a_reader_is_shown_no_event_before_a_replica_has_it(pair: Pair, li
         # a reader now (the SSE route's read, a resume's look back) is not shown it
         assert [e.type for e in await store.outbox.events("ses_r1")] == [SessionCreated.TYPE]
         assert await store.outbox.turn_begins("ses_r1", "turn_1") is None
+        created = (await store.outbox.events("ses_r1"))[0].id
+        assert await store.outbox.newest("ses_r1") == created  # (where a replay is caught up)
         with pytest.raises(Unavailable) as failed:
             await writing  # the replica never answered: not acknowledged either
         assert isinstance(failed.value.__cause__, NotReplicated)
@@ -113,6 +115,7 @@ async def test_a_reader_is_shown_no_event_before_a_replica_has_it(pair: Pair, li
         assert [e.type for e in shown] == [SessionCreated.TYPE, MessageReceived.TYPE]
         assert shown[1].id == again.received_id
         assert await store.outbox.turn_begins("ses_r1", "turn_1") == again.received_id
+        assert await store.outbox.newest("ses_r1") == again.received_id
     finally:
         await store.close()
 

@@ -35,6 +35,7 @@ async def test_a_redis_that_does_not_answer_is_unavailable_never_a_redis_error()
         store.submit("ses_x", "o", message),
         store.begin("ses_x", "", 5_000),
         store.outbox.events("ses_x", "0-0"),
+        store.outbox.newest("ses_x"),
         store.meta("ses_x", "o"),
         store.add_job("ses_x"),
     ]
