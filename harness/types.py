@@ -232,6 +232,8 @@ class DeadLetter(msgspec.Struct, frozen=True):
     # KEEL_EVENT_RETENTION_HOURS or _RETENTION, from seq `lost_from` on: nothing to deliver again)
     lost: int = 0
     lost_from: int = 0
+    # (its event left the outbox before a retry could deliver it again: nothing to deliver)
+    gone: bool = False
 
     @property
     def field(self) -> str:

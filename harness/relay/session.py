@@ -193,8 +193,11 @@ class Session:
         event_id, self.redeliver = self.redeliver, ""
         relay, dest = self.relay, self.dest
         event = await relay.outbox.event(self.sid, event_id)
-        if event is None:
-            log.warning("relay: event %s of %s is gone (retention); not delivered again", event_id, self.sid)
+        if event is None:  # (listed again, so that it is not dropped unsaid: a retry clears it)
+            error = "the event left the outbox (KEEL_EVENT_RETENTION_HOURS, KEEL_EVENT_RETENTION) before it was retried"
+            relay.stats.dead += 1
+            log.warning("relay: event %s of %s for %s: %s", event_id, self.sid, dest.name, error)
+            await relay.deliveries.bury(self.sid, event_id, dest.name, error, 0, gone=True)
             return
         outs = dest.render(event, self.where, self.refs)
         posts = [o.ref for o in outs if o.kind == "post" and o.ref not in self.refs]

@@ -55,6 +55,15 @@ class Failing(msgspec.Struct):
     retry_at: float
 
 
+# the dead letters named (field, value), each deleted only if it still holds that value
+_FORGET = """
+for i = 1, #ARGV, 2 do
+  if redis.call('HGET', KEYS[1], ARGV[i]) == ARGV[i + 1] then redis.call('HDEL', KEYS[1], ARGV[i]) end
+end
+return 1
+"""
+
+
 def relay_job(sid: str, destination: str, event_id: str = "") -> tuple[str, ...]:
     """The command that asks a relay to deliver the session's events to `destination` (sent
     with the write it goes with); with `event_id`, to deliver that one event again."""
@@ -170,13 +179,22 @@ class Deliveries:
 
     @translated
     async def bury(
-        self, sid: str, event_id: str, destination: str, error: str, attempts: int, *, lost: tuple[int, int] = (0, 0)
+        self,
+        sid: str,
+        event_id: str,
+        destination: str,
+        error: str,
+        attempts: int,
+        *,
+        lost: tuple[int, int] = (0, 0),
+        gone: bool = False,
     ) -> DeadLetter:
         """Record an event that could not be delivered (idempotent per session and event), or
         with `lost` (how many, from which seq) the events after it that left the outbox unread
-        (idempotent per session and first seq)."""
+        (idempotent per session and first seq). `gone`: a retried event that had left the
+        outbox (listed again, with nothing to deliver)."""
         now = round(time.time(), 3)
-        letter = DeadLetter(sid, event_id, destination, error[:500], attempts, now, lost[0], lost[1])
+        letter = DeadLetter(sid, event_id, destination, error[:500], attempts, now, lost[0], lost[1], gone)
         await self._write([("HSET", dead_letters(destination), letter.field, msgspec.json.encode(letter))])
         return letter
 
@@ -195,26 +213,31 @@ class Deliveries:
     @translated
     async def dead(self, destination: str, *, session: str | None = None, event: str | None = None) -> list[DeadLetter]:
         """The destination's dead letters, oldest first (of one session, or one event, if given)."""
+        return [letter for letter, _ in await self._dead(destination, session, event)]
+
+    async def _dead(self, destination: str, session: str | None, event: str | None) -> list[tuple[DeadLetter, bytes]]:
         raw: Any = await self.redis.hgetall(dead_letters(destination))
-        letters = [msgspec.json.decode(v, type=DeadLetter) for v in raw.values()]
+        letters = [(msgspec.json.decode(v, type=DeadLetter), v) for v in raw.values()]
         return sorted(
-            (d for d in letters if session in (None, d.session_id) and event in (None, d.event_id)),
-            key=lambda d: d.at,
+            ((d, v) for d, v in letters if session in (None, d.session_id) and event in (None, d.event_id)),
+            key=lambda dv: dv[0].at,
         )
 
     @translated
     async def retry(self, destination: str, *, session: str | None = None, event: str | None = None) -> int:
         """Ask the relays to deliver the destination's dead letters (those `dead` lists) again:
         each one is reconciled with the destination first, so one that did arrive is not posted
-        twice. Returns how many (losses, cleared, are not counted)."""
-        letters = await self.dead(destination, session=session, event=event)
+        twice. Returns how many (losses and events gone, cleared, are not counted)."""
+        letters = await self._dead(destination, session, event)
         if not letters:
             return 0
         # the jobs first: a letter goes only once its job is there (stopped between the two, a
         # letter is listed still and its event delivered once all the same: reconciled first);
-        # a loss has nothing to deliver again: the retry clears it
-        again = [d for d in letters if not d.lost]
+        # a loss, or an event gone, has nothing to deliver again: the retry clears it
+        again = [d for d, _ in letters if not (d.lost or d.gone)]
         if again:
             await self._write([relay_job(d.session_id, destination, d.event_id) for d in again])
-        await self._write([("HDEL", dead_letters(destination), *(d.field for d in letters))])
+        # each as it was read: one its relay listed again meanwhile (failed again) stays
+        fields = [x for d, v in letters for x in (d.field, v)]
+        await self._write([("EVAL", _FORGET, 1, dead_letters(destination), *fields)])
         return len(again)

@@ -167,6 +167,44 @@ async def test_a_long_retry_after_gives_the_relay_slot_back_and_resumes(
         assert second.at - receiver.attempts("busy")[0].at >= 6.0  # Retry-After honoured
 
 
+async def test_a_failure_retried_after_its_event_left_the_outbox_stays_listed_until_cleared(
+    serve: Any, receiver: Receiver, redis: Redis
+) -> None:
+    """The retry of a failure whose event has since left the outbox has nothing to deliver: the
+    failure is listed again, saying so (it was removed unsaid), and the next retry clears it."""
+    live = await serve(
+        echo_agent(),
+        api_keys=("k1",),
+        webhook_allow_private=True,
+        webhook_retry_hours=0.0002,  # (0.7 s of tries, then a failure)
+        event_retention_ms=4000,  # (longer: the event is listed as failed, not lost)
+        idempotency_ms=4000,
+    )
+    async with live.client("k1") as c:
+        wid = await subscribe(c, receiver, "down", ["turn.completed"], fail_every=1)
+        sid = await turns(c, "one")
+
+        async def failed() -> list[Any]:
+            return list((await c.get(f"/v1/webhooks/{wid}/failures")).json()["failures"])
+
+        await eventually(failed, 20)
+        (letter,) = await failed()
+        assert letter["lost"] == 0 and letter["session_id"] == sid
+
+        async def outbox_gone() -> bool:
+            return not await redis.exists(SessionKeys(sid).outbox)
+
+        await eventually(outbox_gone, 10)
+        receiver.paths["down"].fail_every = 0  # the endpoint is back, the event is not
+        assert (await c.post(f"/v1/webhooks/{wid}/failures/retry")).json() == {"retried": 1}
+        await relay_done(redis)
+        (again,) = await failed()
+        assert again["event_id"] == letter["event_id"] and "left the outbox" in again["error"], again
+        assert not receiver.delivered("down")
+        assert (await c.post(f"/v1/webhooks/{wid}/failures/retry")).json() == {"retried": 0}
+        assert await failed() == []
+
+
 async def test_events_that_leave_the_outbox_before_delivery_are_listed_as_lost(
     serve: Any, receiver: Receiver, redis: Redis
 ) -> None:

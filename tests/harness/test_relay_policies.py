@@ -13,6 +13,7 @@ from redis.asyncio import Redis
 
 from harness.events import StoredEvent
 from harness.relay import Outbound, Retry, RetryPolicy
+from harness.store import Deliveries
 from harness.store.deliveries import relay_job
 from harness.store.keys import SessionKeys
 from tests.channels.slack_support import echo_agent, eventually
@@ -213,3 +214,22 @@ async def test_events_that_left_the_outbox_between_two_reads_are_listed_once_as_
     await redis.execute_command(*relay_job(sid, "fake"))
     await eventually(lambda: delivered(4), 5.0)
     assert len(await h.store.deliveries.dead("fake")) == 1
+
+
+async def test_a_retry_keeps_a_failure_its_relay_listed_again_meanwhile(redis: Redis) -> None:
+    """The retry writes its jobs, then removes the failures it read: one a relay took the job
+    of and listed again in between (it failed again at once, or its event had left) stays."""
+    deliveries = Deliveries(redis)
+    await deliveries.bury("ses_a", "1-0", "wh:x", "refused", 3)
+    await deliveries.bury("ses_b", "1-0", "wh:x", "refused", 3)
+    write = deliveries._write
+
+    async def a_fast_relay(commands: list[tuple[Any, ...]]) -> None:
+        await write(commands)
+        if commands[0][0] == "XADD":  # (the jobs: one relay is done with ses_a's before the removal)
+            await deliveries.bury("ses_a", "1-0", "wh:x", "failed again", 1)
+
+    deliveries._write = a_fast_relay  # type: ignore[method-assign]
+    assert await deliveries.retry("wh:x") == 2
+    (letter,) = await deliveries.dead("wh:x")
+    assert (letter.session_id, letter.error) == ("ses_a", "failed again")
