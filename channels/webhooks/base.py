@@ -48,6 +48,7 @@ class Submit:
     author: str = ""
     context: str | list[str] | dict[str, str | None] | None = None
     create: Mapping[str, Any] | None = None  # the new session's metadata; None: only if it exists
+    origin: Mapping[str, Any] | None = field(default=None, compare=False)  # where a note on it goes
 
 
 @dataclass(frozen=True)

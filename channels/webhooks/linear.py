@@ -98,11 +98,18 @@ class LinearChannel:
 
     def rejected(self, call: Call, error: KeelError) -> Later | None:
         log.warning("linear: %s refused: %s", type(call).__name__, error.code)
-        if not isinstance(call, Submit) or call.create is None:
+        if isinstance(call, Decide) and call.otherwise is not None and error.code == "queue_full":
+            call = call.otherwise  # (nothing waited for an answer: its words were a message, refused)
+        if not isinstance(call, Submit):
             return None
-        # a session keel cannot take: Linear hears so (best effort, after the ack) rather than
-        # seeing no activity at all
-        where, body = call.create, f"keel could not take this session: {error.message}"
+        # a session (or a prompt: past the queue) keel cannot take: Linear hears so (best effort,
+        # after the ack) rather than seeing no activity at all
+        if call.create is not None:
+            where, body = call.create, f"keel could not take this session: {error.message}"
+        elif call.origin is not None:
+            where, body = call.origin, f"keel could not take this message: {error.message}"
+        else:
+            return None
         out = Outbound("post", f"refused:{call.message_id}", {"content": {"type": "error", "body": body}})
 
         async def run() -> None:
@@ -143,7 +150,10 @@ class LinearChannel:
             return [Cancel(session_id=sid, owner=owner, once=f"linear:stop:{activity.id}")]
         body = (activity.content.body if activity.content else None) or activity.body or ""
         text = body.strip() or "(no text)"
-        message = Submit(session_id=sid, owner=owner, text=text, message_id=f"linear:{activity.id}", author=user)
+        origin = {"linear": {"agent_session": event.agent_session.id, "organization": event.organization_id}}
+        message = Submit(
+            session_id=sid, owner=owner, text=text, message_id=f"linear:{activity.id}", author=user, origin=origin
+        )
         decision = "approve" if APPROVE.match(text) else "deny" if DENY.match(text) else None
         if decision is None:
             return [message]

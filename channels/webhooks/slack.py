@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TypeGuard
+from typing import Any, TypeGuard
 from urllib.parse import parse_qs
 
 import aiohttp
@@ -56,6 +57,9 @@ SLACK_ID = re.compile(r"^[A-Za-z0-9]{1,40}$")
 SLACK_TS = re.compile(r"^\d{1,12}\.\d{1,8}$")
 KEPT_SUBTYPES = frozenset({None, "thread_broadcast", "file_share"})  # other subtypes: edits, joins, bots...
 ACTIONS = {"keel_approve": "approve", "keel_deny": "deny"}
+QUEUE_FULL = (
+    "This message was not taken: too many messages already wait in this thread. Send it again once I have answered."
+)
 WEB_API_CONNECTIONS = 32  # connections to the Web API a process keeps at most
 
 
@@ -125,7 +129,10 @@ class SlackChannel:
     def rejected(self, call: Call, error: KeelError) -> Later | None:
         if isinstance(call, Decide) and isinstance(error, Conflict):
             decided = (error.details or {}).get("decision", "")
-            return self._note(call, f"This request was already answered: {decided}.")
+            return self._note(call.by, call.origin, f"This request was already answered: {decided}.")
+        if isinstance(call, Submit) and error.code == "queue_full":
+            log.info("slack: a message for %s refused: queue_full", call.session_id)
+            return self._note(call.author, call.origin, QUEUE_FULL)
         log.info("slack: %s refused: %s", type(call).__name__, error.code)
         return None
 
@@ -172,6 +179,7 @@ class SlackChannel:
                 author=user,
                 context=[f"Slack: this message is from user <@{user}> in channel {channel}."],
                 create=where if named or direct else None,
+                origin={"channel": channel, "thread_ts": root},
             )
         ]
 
@@ -209,17 +217,16 @@ class SlackChannel:
         )
         if user != value.a and user not in self.config.approvers:
             who = f"<@{value.a}>" if value.a else "an approver"
-            return [self._note(answer, f"Only {who} can decide on this request.")]
+            return [self._note(user, where, f"Only {who} can decide on this request.")]
         return [answer]
 
-    def _note(self, call: Decide, text: str) -> Later:
-        """An ephemeral message to the user who clicked, in the thread of the button."""
-        where = call.origin or {}
-        channel, thread = where.get("channel"), where.get("thread_ts")
+    def _note(self, user: str, where: Mapping[str, Any] | None, text: str) -> Later:
+        """An ephemeral message to `user` (who clicked, or wrote), in the thread `where` names."""
+        channel, thread = (where or {}).get("channel"), (where or {}).get("thread_ts")
 
         async def run() -> None:
-            if channel:
-                await self.client.chat_postEphemeral(channel=channel, user=call.by, text=text, thread_ts=thread)
+            if channel and user:
+                await self.client.chat_postEphemeral(channel=channel, user=user, text=text, thread_ts=thread)
 
         return Later(run)
 

@@ -170,6 +170,25 @@ async def test_a_session_keel_cannot_take_gets_an_error_activity(keel: Any, line
     assert "could not take this session" in linear.of("as-7")[-1].content["body"]
 
 
+async def test_a_prompt_past_the_queue_gets_an_error_activity(keel: Any, linear: FakeLinear) -> None:
+    """A follow-up refused as queue_full is said so in the agent session (it was dropped
+    unsaid); the ones taken are answered."""
+    gate = asyncio.Event()
+    c = await keel(echo_agent(gate=gate), max_queued=1)
+    await hook(c, created("as-9", comment="first"))
+    await linear.until(lambda s: "thought" in s.kinds("as-9"))  # (its turn runs, held at the gate)
+    assert (await hook(c, prompted("as-9", "act-2", "second"))).status_code == 200  # (steered into it)
+    assert (await hook(c, prompted("as-9", "act-3", "third"))).status_code == 200  # (past the queue)
+    # (an approval's words with nothing waiting are a message too: refused the same way)
+    assert (await hook(c, prompted("as-9", "act-4", "ok"))).status_code == 200
+    await linear.until(lambda s: s.kinds("as-9").count("error") == 2)
+    for refused in (a for a in linear.of("as-9") if a.content["type"] == "error"):
+        assert "could not take this message" in refused.content["body"] and "wait" in refused.content["body"]
+    gate.set()
+    await linear.until(lambda s: "response" in s.kinds("as-9"))
+    assert all("third" not in str(a.content) for a in linear.of("as-9") if a.content["type"] == "response")
+
+
 async def test_a_failed_turn_is_an_error_activity(keel: Any, linear: FakeLinear) -> None:
     from harness.errors import ModelError
 

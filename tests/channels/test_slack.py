@@ -171,6 +171,28 @@ async def test_approval_by_buttons(keel: Any, slack: FakeSlack, redis: Redis) ->
     assert [m.text for m in slack.posts(thread)][-1] == "done: wiped disk"
 
 
+async def test_a_follow_up_past_the_queue_is_told_so_in_its_thread(keel: Any, slack: FakeSlack) -> None:
+    """A thread reply refused as queue_full gets an ephemeral note to its author in the thread
+    (it was dropped unsaid); the ones taken are answered."""
+    gate = asyncio.Event()
+    c = await keel(echo_agent(gate=gate), max_queued=1)
+    root = "1700000040.000100"
+    await post_event(c, event_body(f"<@{BOT}> first", ts=root))
+
+    def follow(text: str, ts: str) -> bytes:
+        return event_body(text, ts=ts, kind="message", thread_ts=root, user="U0DAN")
+
+    assert (await post_event(c, follow("second", "1700000041.000100"))).status_code == 200  # (steered)
+    assert (await post_event(c, follow("third", "1700000042.000100"))).status_code == 200  # (past the queue)
+    await slack.until(lambda s: len(s.ephemerals) == 1)
+    (note,) = slack.ephemerals
+    assert note["user"] == "U0DAN" and note["thread_ts"] == root and note["channel"] == "C0GENERAL"
+    assert "not taken" in note["text"]
+    gate.set()
+    await slack.until(lambda s: len(s.posts(root)) >= 1)
+    assert not any("third" in t for t in replies(slack, root))
+
+
 async def test_approvers_setting_widens_who_may_decide(keel: Any, slack: FakeSlack) -> None:
     ran: list[str] = []
     c = await keel(echo_agent(ran), slack_approvers=frozenset({"U0BOSS"}))
