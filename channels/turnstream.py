@@ -174,7 +174,8 @@ class TurnReader:
         """The turn's committed events after `after`, then live, with its deltas; None for a
         heartbeat; a SessionDeleted last if the session ends. Never ends by itself otherwise:
         the caller stops at the event it waits for. With `upto` (an event id), CAUGHT_UP once
-        the session's events up to it have been read (at once if `after` is not before it)."""
+        the session's events up to it have been read (at once if `after` is not before it; at
+        the first heartbeat if they left the outbox before they were read)."""
         beat: float = self.request.app.state.sse_heartbeat
         reached = self.harness.sessions.reached
         ahead = upto is not None and not reached(after, upto)
@@ -183,6 +184,9 @@ class TurnReader:
         async for item in self.harness.sessions.tail(self.sid, after, heartbeat=beat, armed=armed):
             if item is None:
                 yield None
+                if ahead:
+                    ahead = False
+                    yield CAUGHT_UP
             elif isinstance(item, LiveEvent):
                 live = item.decoded()
                 if isinstance(live, SessionDeleted):

@@ -459,10 +459,11 @@ class Sessions:
 
     async def asking(self, sid: str, owner: str, turn_id: str) -> InputRequested | None:
         """The approval requests turn `turn_id` waits on now, as an input.requested rebuilt
-        from the session's record of them (`pending`): for a reader whose replay of the turn
-        lacks the event that asked them, which left the outbox (asked longer ago than events
-        are kept). It has no place in the outbox (id "", seq 0). None when the turn waits on
-        nothing."""
+        from the session's record of them (`pending`), if the event that asked them left the
+        outbox (asked longer ago than events are kept): for a reader whose replay of the turn
+        lacks it. It has no place in the outbox (id "", seq 0). None when the turn waits on
+        nothing, or on requests whose event is still there (asked as the reader began, say:
+        the reader reads it)."""
         check_session_id(sid)
         meta = await self.store.meta(sid, owner)
         requests = [
@@ -470,7 +471,7 @@ class Sessions:
             for r in await self.store.open_requests(sid, meta)
             if r.turn_id == turn_id
         ]
-        if not requests:
+        if not requests or await self.store.outbox.asked_kept(sid, [r.request_id for r in requests]):
             return None
         data = InputRequestedData(requests=requests)
         return InputRequested(session_id=sid, turn_id=turn_id, at=time.time(), id="", seq=0, data=data)

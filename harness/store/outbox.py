@@ -84,12 +84,19 @@ class Outbox:
 
     @translated
     async def find_back(
-        self, sid: str, etypes: tuple[str, ...], found: Callable[[bytes, bytes], bool], *, within: int = SCAN_MAX
+        self,
+        sid: str,
+        etypes: tuple[str, ...],
+        found: Callable[[bytes, bytes], bool],
+        *,
+        within: int = SCAN_MAX,
+        unshown: bool = False,
     ) -> StoredEvent | None:
         """The newest event of one of `etypes` whose type and stored body `found` accepts,
-        looked for from the newest event back, at most `within` events; None if there is none."""
+        looked for from the newest event back, at most `within` events; None if there is none.
+        With replicas, among those a replica has (`unshown`: all, for a look that shows none)."""
         keys, end, wanted = SessionKeys(sid), "+", {t.encode() for t in etypes}
-        if self.wire.replicas is not None:  # (from the newest event a replica has)
+        if self.wire.replicas is not None and not unshown:  # (from the newest event a replica has)
             (shown,) = raised(await self.wire.call([("HGET", keys.meta, REPLICATED)]))
             if shown is None:
                 return None
@@ -117,18 +124,14 @@ class Outbox:
     async def answers_kept(self, sid: str, request_ids: Collection[str]) -> bool:
         """Whether an input.requested that asked one of `request_ids`, or an input.resolved that
         answered one, is still kept (one look back)."""
-        needles = [b'"request_id":' + _enc.encode(r) + b"," for r in request_ids]
-        resolved = InputResolved.TYPE.encode()
-
-        def mentions(etype: bytes, body: bytes) -> bool:
-            if not any(n in body for n in needles):
-                return False
-            if etype == resolved:
-                return True
-            # (in an input.requested the needle could be inside a tool's arguments too)
-            return any(r.request_id in request_ids for r in _asked.decode(b"{" + body).data.requests)
-
+        mentions = _mentioning(request_ids)
         return await self.find_back(sid, (InputRequested.TYPE, InputResolved.TYPE), mentions) is not None
+
+    async def asked_kept(self, sid: str, request_ids: Collection[str]) -> bool:
+        """Whether the input.requested that asked one of `request_ids` is still in the outbox
+        (with replicas, shown to readers or still to be: a reader will read it)."""
+        found = await self.find_back(sid, (InputRequested.TYPE,), _mentioning(request_ids), unshown=True)
+        return found is not None
 
     @translated
     async def newest(self, sid: str) -> str:
@@ -260,6 +263,23 @@ def _up_to(raw: list[Any], shown: bytes | None) -> list[Any]:
     while n and streamids.key(raw[n - 1][0].decode()) > last:
         n -= 1
     return raw[:n]
+
+
+def _mentioning(request_ids: Collection[str]) -> Callable[[bytes, bytes], bool]:
+    """`find_back`'s test for an input.requested that asked, or an input.resolved that
+    answered, one of `request_ids`."""
+    needles = [b'"request_id":' + _enc.encode(r) + b"," for r in request_ids]
+    resolved = InputResolved.TYPE.encode()
+
+    def mentions(etype: bytes, body: bytes) -> bool:
+        if not any(n in body for n in needles):
+            return False
+        if etype == resolved:
+            return True
+        # (in an input.requested the needle could be inside a tool's arguments too)
+        return any(r.request_id in request_ids for r in _asked.decode(b"{" + body).data.requests)
+
+    return mentions
 
 
 def _note_completed(completed: deque[str], event: StoredEvent) -> None:

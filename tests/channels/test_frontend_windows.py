@@ -15,7 +15,7 @@ from harness.models import ModelReply, ModelRequest, ScriptedModel, ToolCall
 from harness.store.keys import SessionKeys
 from tests.channels.slack_support import eventually
 from tests.channels.test_frontends import answered, approval_of, chunks_of, user
-from tests.frontend_agent import frontend_agent
+from tests.frontend_agent import PacedModel, frontend_agent, text_of
 from tests.harness.test_memory import window_passed
 
 
@@ -245,4 +245,118 @@ async def test_an_ag_ui_rerun_of_a_turn_waiting_past_the_event_window_is_interru
     assert got[-1]["type"] == "RUN_FINISHED" and outcome["type"] == "interrupt"
     assert [i["id"] for i in outcome["interrupts"]] == [asked["approvalId"]]
     assert not runs
+    await c.aclose()
+
+
+# ---- the catch-up's races: a stream shows what it shows without one -------------------------
+
+
+def agent_of(gate: asyncio.Event, began: asyncio.Event) -> Agent:
+    """'pay 1' asks to pay 1 (after `gate`); once paid, it asks to pay 2; then it is done."""
+
+    @tool(approval=True)
+    def pay(amount: int, ctx: ToolContext) -> str:
+        """Pay an amount."""
+        return f"paid {amount}"
+
+    async def script(r: ModelRequest) -> ModelReply:
+        paid = [m.text for m in r.messages if m.role == "tool" and m.turn_id == r.turn_id]
+        if not paid:
+            began.set()
+            await gate.wait()
+            return ModelReply(text="I will pay.", tool_calls=[ToolCall("pay", {"amount": 1})])
+        if len(paid) == 1:
+            return ModelReply(text="Now the rest.", tool_calls=[ToolCall("pay", {"amount": 2})])
+        return ModelReply(text="Done.")
+
+    return Agent(instructions="t", tools=[pay], model=PacedModel(script, chunk=4))
+
+
+async def asked_to_pay(serve: Any) -> tuple[Any, Any, str, list[Any], dict[str, Any]]:
+    """A useChat turn of `agent_of` that asked to pay 1 and waits."""
+    gate, began = asyncio.Event(), asyncio.Event()
+    gate.set()
+    live = await serve(agent_of(gate, began))
+    c = live.client()
+    sid = (await c.post("/v1/sessions")).json()["session_id"]
+    first = await chunks_of(c, "POST", "/v1/chat", {"id": sid, "messages": [user("pay 1", "m1")]})
+    (asked,) = approval_of(first)
+    return live, c, sid, first, asked
+
+
+def waits_on(redis: Redis, sid: str, not_this: str = "") -> Any:
+    """Whether the session waits on a request (other than `not_this`)."""
+
+    async def check() -> bool:
+        raw = await redis.hget(SessionKeys(sid).meta, "waiting_on")
+        return bool(raw) and raw.decode() != not_this
+
+    return check
+
+
+def newest_then(sessions: Any, meanwhile: Any) -> None:
+    """`newest_event` as it is, with `meanwhile` happening right after it is read."""
+    real = sessions.newest_event
+
+    async def newest_event(sid: str) -> str:
+        upto = await real(sid)
+        await meanwhile()
+        return upto
+
+    sessions.newest_event = newest_event
+
+
+async def test_a_resume_that_begins_as_the_turn_asks_shows_the_steps_text(serve: Any, redis: Redis) -> None:
+    """The step (its text and its approval request) commits after the stream read where the
+    outbox stood and before its replay got there: the stream shows the step as committed,
+    not a request rebuilt in place of it."""
+    gate, began = asyncio.Event(), asyncio.Event()
+    live = await serve(agent_of(gate, began))
+    c = live.client()
+    sid = (await c.post("/v1/sessions")).json()["session_id"]
+    posting = asyncio.create_task(chunks_of(c, "POST", "/v1/chat", {"id": sid, "messages": [user("pay 1", "m1")]}))
+    await began.wait()
+
+    async def step_commits() -> None:
+        gate.set()
+        await eventually(waits_on(redis, sid), 5)
+
+    newest_then(live.app.state.harness.sessions, step_commits)
+    again = await asyncio.wait_for(chunks_of(c, "GET", f"/v1/chat/{sid}/stream"), 10)
+    first = await posting
+    assert text_of(first[:-1]) == "I will pay."
+    assert len(approval_of(again)) == 1
+    assert text_of(again[:-1]) == "I will pay."
+    await c.aclose()
+
+
+async def test_an_answer_whose_turn_asks_again_quickly_shows_the_new_request(serve: Any, redis: Redis) -> None:
+    """The answer's turn runs the paid call and asks again before the answer's stream has
+    read where the outbox stood: the stream shows the call's result and the new request."""
+    live, c, sid, first, asked = await asked_to_pay(serve)
+
+    async def runs_and_asks_again() -> None:
+        await eventually(waits_on(redis, sid, not_this=asked["approvalId"]), 5)
+
+    newest_then(live.app.state.harness.sessions, runs_and_asks_again)
+    body = {"id": sid, "messages": [user("pay 1", "m1"), answered(first[0]["messageId"], [asked], [True])]}
+    rest = await asyncio.wait_for(chunks_of(c, "POST", "/v1/chat", body), 10)
+    assert rest[-2] == {"type": "finish", "finishReason": "tool-calls"}
+    outputs = [g["output"] for g in rest[:-1] if g["type"] == "tool-output-available"]
+    assert outputs == ["paid 1"]
+    assert len(approval_of(rest)) == 1  # (the new request, to pay 2)
+    await c.aclose()
+
+
+async def test_a_resume_whose_outbox_expires_as_it_begins_still_closes(serve: Any, redis: Redis) -> None:
+    """The waiting session's outbox expires (the whole key) right after the stream read where
+    it stood: the replay never gets there, and the stream still closes on the request."""
+    live, c, sid, _, asked = await asked_to_pay(serve)
+
+    async def outbox_expires() -> None:
+        await redis.delete(SessionKeys(sid).outbox)
+
+    newest_then(live.app.state.harness.sessions, outbox_expires)
+    again = await asyncio.wait_for(chunks_of(c, "GET", f"/v1/chat/{sid}/stream"), 5)
+    assert [a["approvalId"] for a in approval_of(again)] == [asked["approvalId"]]
     await c.aclose()

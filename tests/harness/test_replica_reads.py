@@ -100,6 +100,9 @@ async def test_a_reader_is_shown_no_event_before_a_replica_has_it(pair: Pair, li
         # a reader now (the SSE route's read, a resume's look back) is not shown it
         assert [e.type for e in await store.outbox.events("ses_r1")] == [SessionCreated.TYPE]
         assert await store.outbox.turn_begins("ses_r1", "turn_1") is None
+        # (a look that shows nothing, whether a request's event is there to be read, finds it)
+        anything = await store.outbox.find_back("ses_r1", (MessageReceived.TYPE,), lambda *_: True, unshown=True)
+        assert anything is not None and anything.type == MessageReceived.TYPE
         created = (await store.outbox.events("ses_r1"))[0].id
         assert await store.outbox.newest("ses_r1") == created  # (where a replay is caught up)
         with pytest.raises(Unavailable) as failed:
