@@ -270,9 +270,10 @@ class TurnReader:
             sessions.check_answer(a.request_id, a.decision, a.reason)
         first = answers[0].request_id
         turn_id = await sessions.turn_asking(self.sid, self.owner, first)
-        after = await sessions.turn_start(self.sid, self.owner, turn_id) if turn_id else None
-        if turn_id is None or after is None:
+        if turn_id is None:
             raise ChannelError(404, "request_not_found", f"no approval request {first[:64]} in session {self.sid}")
+        # (a turn whose first event left the outbox: what is kept of it, from the outbox's start)
+        after = await sessions.turn_start(self.sid, self.owner, turn_id) or sessions.resume_after()
         open_now = set(await sessions.pending(self.sid, self.owner))
         # (a new answer writes where the rest begins; repeats only, it must still be kept)
         ids = [a.request_id for a in answers]

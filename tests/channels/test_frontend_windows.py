@@ -360,3 +360,30 @@ async def test_a_resume_whose_outbox_expires_as_it_begins_still_closes(serve: An
     again = await asyncio.wait_for(chunks_of(c, "GET", f"/v1/chat/{sid}/stream"), 5)
     assert [a["approvalId"] for a in approval_of(again)] == [asked["approvalId"]]
     await c.aclose()
+
+
+async def test_a_repeated_usechat_answer_of_an_ended_turn_streams_past_its_trimmed_start(
+    serve: Any, redis: Redis
+) -> None:
+    """The turn asked, was answered and ended; its events up to the answer's have since left
+    the outbox (trimmed as retention trims it). The same answer again, from a client that did
+    not get the first stream, streams the rest of the turn from the answer on, as within the
+    window (it was 404: the turn was looked for by its first event)."""
+    agent, runs, _ = frontend_agent()
+    live = await serve(agent)
+    c = live.client()
+    sid = (await c.post("/v1/sessions")).json()["session_id"]
+    first = await chunks_of(c, "POST", "/v1/chat", {"id": sid, "messages": [user("pay 30", "m1")]})
+    (asked,) = approval_of(first)
+    body = {"id": sid, "messages": [user("pay 30", "m1"), answered(first[0]["messageId"], [asked], [True])]}
+    done = await asyncio.wait_for(chunks_of(c, "POST", "/v1/chat", body), 10)
+    assert done[-2] == {"type": "finish", "finishReason": "stop"}
+
+    outbox = SessionKeys(sid).outbox
+    resolved = next(eid for eid, f in await redis.xrange(outbox) if f[b"t"] == b"input.resolved")
+    await redis.xtrim(outbox, minid=resolved, approximate=False)  # (as the event window does)
+    again = await asyncio.wait_for(chunks_of(c, "POST", "/v1/chat", body), 10)
+    out = next(g for g in again[:-1] if g["type"] == "tool-output-available")
+    assert out == {"type": "tool-output-available", "toolCallId": asked["toolCallId"], "output": "paid 30"}
+    assert again[-2] == {"type": "finish", "finishReason": "stop"} and list(runs.values()) == [1]
+    await c.aclose()
