@@ -192,7 +192,8 @@ async def create_session(request: Request) -> Response:
         **NOT_FOUND,
         **QUEUED,
         400: "`invalid_request`, `invalid_json`, `invalid_message_id`, `invalid_query`",
-        409: "`busy`: `policy: reject`, and a turn runs or waits (nothing written)",
+        409: "`busy`: `policy: reject`, and a turn runs or waits (nothing written); `turn_events_gone`: with "
+        "`wait`, a message sent again whose turn ended longer ago than its events are kept",
     },
     params=(
         Param("wait", {"type": "boolean"}, "Answer when the turn settles (200) instead of at once (202)"),

@@ -11,8 +11,9 @@ every reader told) or when it was left alone for the session TTL (all of it expi
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, cast
 
 import msgspec
@@ -566,6 +567,7 @@ class Sessions:
                 after=after,
                 timeout=timeout,
                 read_first=True,
+                ended=self._ended(result),
             )
         return _result(result, outcome)
 
@@ -598,8 +600,16 @@ class Sessions:
             if not result.duplicate:  # its events, from message.received on, may come published
                 watch.last_seq = result.received_seq - 1
             after = streamids.before(result.received_id)
+            ended = self._ended(result)
             outcome = await collect_turn(
-                self.store.outbox, sid, result.turn_id, watch, after=after, timeout=timeout, read_first=result.duplicate
+                self.store.outbox,
+                sid,
+                result.turn_id,
+                watch,
+                after=after,
+                timeout=timeout,
+                read_first=result.duplicate,
+                ended=ended,
             )
             steered = result.handled == "steered" and outcome.status != "pending"
             own = await self.store.received(sid, result.message_id) if steered else None
@@ -613,10 +623,17 @@ class Sessions:
                     after=streamids.before(own[1]),
                     timeout=max(deadline - loop.time(), 0.001),
                     read_first=True,
+                    ended=ended,
                 )
         finally:
             hub.close_watch(sid, watch)
         return _result(result, outcome)
+
+    def _ended(self, result: SubmitResult) -> Callable[[], Awaitable[bool]] | None:
+        """For a message sent again, whether its turn is over (`collect_turn`'s `ended`)."""
+        return (
+            functools.partial(self.store.turn_ended, result.session_id, result.message_id) if result.duplicate else None
+        )
 
     async def respond_and_wait(
         self, sid: str, owner: str, request_id: str, decision: str, reason: str = "", *, timeout: float

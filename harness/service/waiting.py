@@ -5,19 +5,30 @@ session ends meanwhile)."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 
-from harness.errors import NotFound
+from harness.errors import Conflict, NotFound
 from harness.events import OUTCOMES, StoredEvent, TurnCompleted
 from harness.store import Outbox, Watch
 from harness.types import TurnOutcome
 
 
 async def collect_turn(
-    outbox: Outbox, sid: str, turn_id: str, watch: Watch, *, after: str, timeout: float, read_first: bool
+    outbox: Outbox,
+    sid: str,
+    turn_id: str,
+    watch: Watch,
+    *,
+    after: str,
+    timeout: float,
+    read_first: bool,
+    ended: Callable[[], Awaitable[bool]] | None = None,
 ) -> TurnOutcome:
     """The turn's events after `after`, until the turn's newest event settles it: a turn.*
     event, or an input.requested with nothing after it (so asking again later about a turn
-    that paused and then finished reports how it finished)."""
+    that paused and then finished reports how it finished). `ended`, for a turn asked about
+    again: whether it is over; one whose events all left the outbox is then a Conflict
+    (`turn_events_gone`), not a wait for events that will not come."""
     events: list[StoredEvent] = []
     marker = b'"turn_id":"' + turn_id.encode() + b'"'
     loop = asyncio.get_running_loop()
@@ -35,6 +46,13 @@ async def collect_turn(
                 events.extend(e for e in batch if marker in e.raw)
                 if more:
                     continue  # read everything there is before judging the newest event
+                if not events and ended is not None and await ended():
+                    raise Conflict(
+                        "this message's turn ended longer ago than its events are kept (KEEL_EVENT_RETENTION): "
+                        "how it came out is not known; its items are in the session's history",
+                        code="turn_events_gone",
+                    )
+                ended = None  # (asked once)
                 status = OUTCOMES.get(events[-1].type) if events else None
                 if status is not None:
                     completed = events[-1].of(TurnCompleted)

@@ -423,6 +423,16 @@ class Store:
         return (turn_id, received_id) if received_id else None
 
     @translated
+    async def turn_ended(self, sid: str, message_id: str) -> bool:
+        """Whether message `message_id`'s turn has ended, as its id shows: the id's window (its
+        field's expiry) starts when its turn ends. False where ids have no window (none set, or
+        a server without field expiry): not known then."""
+        if self.idempotency_ms <= 0:
+            return False
+        ttl: Any = await self.redis.execute_command("HPTTL", SessionKeys(sid).mids, "FIELDS", 1, message_id)
+        return bool(ttl) and int(ttl[0]) > 0
+
+    @translated
     async def submit(
         self,
         sid: str,

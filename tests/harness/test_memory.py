@@ -15,7 +15,7 @@ from redis.asyncio import Redis
 
 from app.settings import Settings, SettingsError
 from harness import Agent, Harness
-from harness.errors import NotFound
+from harness.errors import Conflict, NotFound
 from harness.ids import new_id
 from harness.loop.compaction import Compaction
 from harness.models import ModelReply, ModelRequest, ScriptedModel
@@ -95,6 +95,32 @@ async def test_a_message_id_is_the_same_message_within_the_window_only(make_harn
     later = await say(h, sid, "pay", message_id="order-1")  # a new message now
     assert later.events[0].decoded().turn_id != first.events[0].decoded().turn_id
     assert [i.text for i in await h.sessions.history(sid, "o")].count("pay") == 2
+
+
+async def test_a_waited_repeat_of_a_message_whose_turn_left_the_outbox_says_so_at_once(
+    make_harness: Any, redis: Redis
+) -> None:
+    """A busy session's outbox kept by count (`retention`) can lose a turn's events while its
+    message id is still remembered: a `?wait=true` of that message again cannot be told how its
+    turn came out, and says so at once (it waited out its timeout, then said `pending`); one
+    whose turn's ending is kept is answered as before."""
+    h: Harness = await make_harness(Agent(instructions="t", model=echo()), retention=100)
+    sid = await h.sessions.create("o")
+    await say(h, sid, "first", message_id="order-1")
+    for n in range(60):  # 5 events a turn: far past 100, whole stream nodes trimmed
+        await say(h, sid, f"m{n}", message_id=f"later-{n}")
+    first_kept = (await h.store.outbox.events(sid, "0-0", count=1))[0]
+    assert first_kept.seq > 6  # (the first turn's events, seq 2-6, are gone)
+
+    async def again(message_id: str, timeout: float) -> Any:
+        return await h.sessions.submit_and_wait(sid, "o", "first", context=None, message_id=message_id, timeout=timeout)
+
+    with pytest.raises(Conflict) as gone:
+        await asyncio.wait_for(again("order-1", 30), 5)
+    assert gone.value.code == "turn_events_gone"
+    kept = await again("later-59", 5)  # (its turn's events still there)
+    assert kept.status == "completed" and kept.reply == "re: m59"
+    assert len(await h.sessions.history(sid, "o")) == 2 * 61  # (nothing run again)
 
 
 async def window_passed(redis: Redis, ms: int) -> None:
