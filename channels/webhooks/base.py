@@ -137,7 +137,7 @@ def endpoint(channel: WebhookChannel, route: str) -> Callable[[Request], Awaitab
             except KeelError as exc:
                 note = channel.rejected(call, exc)
                 if note is not None:
-                    later.append(note)
+                    later.append(_once(harness, call, note) if isinstance(call, Submit) else note)
         return Response(b"", status_code=200, background=_after(later) if later else None)
 
     return handle
@@ -176,6 +176,16 @@ async def perform(harness: Harness, destination: str, call: Submit | Decide | Ca
         )
     else:
         await harness.sessions.cancel(call.session_id, call.owner, call.turn_id, deliver_to=destination, once=call.once)
+
+
+def _once(harness: Harness, call: Submit, note: Later) -> Later:
+    """A note on a refused message, made once however often the message comes."""
+
+    async def run() -> None:
+        if await harness.sessions.first_note(call.session_id, call.message_id):
+            await note.run()
+
+    return Later(run)
 
 
 def _after(later: list[Later]) -> BackgroundTask:

@@ -72,6 +72,7 @@ METADATA_BYTES_MAX = 16_384  # ... and this many bytes as JSON
 TITLE_CHARS_MAX = 200
 FILTERS_MAX = 8  # metadata filters of one listing
 POLICIES = ("queue", "steer", "interrupt", "reject")
+NOTE_ONCE_MS = 60_000  # a refused message's note: once in this long, however often it comes
 _enc = msgspec.json.Encoder()
 
 
@@ -452,6 +453,12 @@ class Sessions:
         """Whether the outbox still holds where the rest of a turn after answers to these
         requests begins: an input.requested of one of them, or an input.resolved."""
         return await self.store.outbox.answers_kept(sid, request_ids)
+
+    async def first_note(self, sid: str, message_id: str) -> bool:
+        """Whether a channel should tell the author that message `message_id` was refused: once
+        a minute at most, however often the message comes (a Slack mention comes as two events,
+        a provider retries)."""
+        return await self.store.first_note(sid, message_id, NOTE_ONCE_MS)
 
     async def newest_event(self, sid: str) -> str:
         """The id of the session's newest event now, as a reader reads them: a replay that has

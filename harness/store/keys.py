@@ -106,6 +106,11 @@ class SessionKeys:
         self.readers = base + "readers"
 
 
+def noted(sid: str, message_id: str) -> str:
+    """String, expiring: a channel has told the author that message `message_id` was refused."""
+    return f"{PREFIX}:{{{sid}}}:noted:{message_id}"
+
+
 def session_of(key: str) -> str:
     """The session id inside one of its keys (the hash tag)."""
     return key.split("{", 1)[1].rsplit("}", 1)[0]

@@ -56,7 +56,7 @@ from harness.store.clusterwire import wire_for
 from harness.store.deliveries import Deliveries, relay_job
 from harness.store.hooks import Subscriptions
 from harness.store.hub import EventHub
-from harness.store.keys import TOKEN_SECRET, DeliveryKeys, SessionKeys
+from harness.store.keys import TOKEN_SECRET, DeliveryKeys, SessionKeys, noted
 from harness.store.outbox import Outbox
 from harness.store.queue import JobId, JobShards
 from harness.store.types import (
@@ -421,6 +421,11 @@ class Store:
         text = raw.decode() if isinstance(raw, bytes) else raw
         turn_id, _, received_id = text.partition(" ")
         return (turn_id, received_id) if received_id else None
+
+    @translated
+    async def first_note(self, sid: str, message_id: str, ttl_ms: int) -> bool:
+        """Whether no note on message `message_id` was made in the last `ttl_ms` (one is now)."""
+        return bool(await self.redis.set(noted(sid, message_id), b"1", nx=True, px=ttl_ms))
 
     @translated
     async def turn_ended(self, sid: str, message_id: str) -> bool:

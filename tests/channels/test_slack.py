@@ -193,6 +193,27 @@ async def test_a_follow_up_past_the_queue_is_told_so_in_its_thread(keel: Any, sl
     assert not any("third" in t for t in replies(slack, root))
 
 
+async def test_a_refused_mention_delivered_twice_is_told_of_once(keel: Any, slack: FakeSlack) -> None:
+    """A thread reply that names the bot comes as two events (`app_mention` and `message`), one
+    message: refused as queue_full, its author gets one note, not two."""
+    gate = asyncio.Event()
+    c = await keel(echo_agent(gate=gate), max_queued=1)
+    root = "1700000050.000100"
+    await post_event(c, event_body(f"<@{BOT}> first", ts=root))
+    steer = event_body("second", ts="1700000051.000100", kind="message", thread_ts=root, user="U0DAN")
+    assert (await post_event(c, steer)).status_code == 200  # (steered: the queue is full now)
+    ts = "1700000052.000100"
+    for kind in ("app_mention", "message"):
+        twice = event_body(f"<@{BOT}> third", ts=ts, kind=kind, thread_ts=root, user="U0DAN", channel_type="channel")
+        assert (await post_event(c, twice)).status_code == 200
+    # (another refused message after them: its note comes after theirs)
+    fourth = event_body("fourth", ts="1700000053.000100", kind="message", thread_ts=root, user="U0ERIN")
+    assert (await post_event(c, fourth)).status_code == 200
+    await slack.until(lambda s: any(n["user"] == "U0ERIN" for n in s.ephemerals))
+    assert [n["user"] for n in slack.ephemerals] == ["U0DAN", "U0ERIN"]
+    gate.set()
+
+
 async def test_approvers_setting_widens_who_may_decide(keel: Any, slack: FakeSlack) -> None:
     ran: list[str] = []
     c = await keel(echo_agent(ran), slack_approvers=frozenset({"U0BOSS"}))
