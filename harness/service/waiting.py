@@ -48,8 +48,9 @@ async def collect_turn(
                     continue  # read everything there is before judging the newest event
                 if not events and ended is not None and await ended():
                     raise Conflict(
-                        "this message's turn ended longer ago than its events are kept (KEEL_EVENT_RETENTION): "
-                        "how it came out is not known; its items are in the session's history",
+                        "this message's turn has ended and its events are not in this session's outbox (more "
+                        "came after them than KEEL_EVENT_RETENTION keeps, or a fork copied the message): how it "
+                        "came out is not known here; its items are in the session's history",
                         code="turn_events_gone",
                     )
                 ended = None  # (asked once)

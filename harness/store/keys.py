@@ -77,6 +77,7 @@ class SessionKeys:
         "live",
         "meta",
         "mids",
+        "noted",
         "outbox",
         "pending",
         "readers",
@@ -95,6 +96,7 @@ class SessionKeys:
         self.inbox = base + "inbox"  # list of encoded InboxMessages, oldest first
         self.steer = base + "steer"  # list of encoded InboxMessages steered into the running turn
         self.mids = base + "mids"  # hash: message_id -> "turn_id received_id" (idempotency)
+        self.noted = base + "noted"  # hash, its fields expiring: refused messages a channel told of
         self.outbox = base + "outbox"  # stream of events
         self.lease = base + "lease"  # string: fencing token of the runner that owns the session
         self.pending = base + "pending"  # hash: request_id -> the approval request (never rewritten)
@@ -104,11 +106,6 @@ class SessionKeys:
         # hash: process origin -> until when (ms, server time) it has readers of the session, so
         # a commit's script tells of it (on `live`) only if another process listens
         self.readers = base + "readers"
-
-
-def noted(sid: str, message_id: str) -> str:
-    """String, expiring: a channel has told the author that message `message_id` was refused."""
-    return f"{PREFIX}:{{{sid}}}:noted:{message_id}"
 
 
 def session_of(key: str) -> str:

@@ -464,7 +464,7 @@ CANCEL: Script[CancelSet | Idle | Missing] = Script(lua.CANCEL, ("meta", "inbox"
 RENEW: Script[Held] = Script(lua.RENEW, ("lease",), Held)
 RELEASE: Script[Held] = Script(lua.RELEASE, ("lease", "meta"), Held)
 # (the keys of each destination's delivery state and lease follow the session's own)
-DELETE: Script[Deleted | Changed | Missing] = Script(lua.DELETE, _ALL, Deleted | Changed | Missing)
+DELETE: Script[Deleted | Changed | Missing] = Script(lua.DELETE, (*_ALL, "noted"), Deleted | Changed | Missing)
 UPDATE: Script[Done | Changed | Missing] = Script(lua.UPDATE, ("meta",), Done | Changed | Missing)
 HISTORY: Script[HistoryRead | Replaced | Missing] = Script(
     lua.HISTORY, ("meta", "history"), HistoryRead | Replaced | Missing

@@ -56,7 +56,7 @@ from harness.store.clusterwire import wire_for
 from harness.store.deliveries import Deliveries, relay_job
 from harness.store.hooks import Subscriptions
 from harness.store.hub import EventHub
-from harness.store.keys import TOKEN_SECRET, DeliveryKeys, SessionKeys, noted
+from harness.store.keys import TOKEN_SECRET, DeliveryKeys, SessionKeys
 from harness.store.outbox import Outbox
 from harness.store.queue import JobId, JobShards
 from harness.store.types import (
@@ -104,6 +104,14 @@ _inbox = msgspec.json.Decoder(InboxMessage)
 _metadata = msgspec.json.Decoder(dict[str, Any])
 KNOWN_MAX = 100_000
 DAY_MS = 86_400_000
+# a note on a refused message, once: its field, expiring (a server without field expiry keeps
+# it as long as the hash, `ttl` after the newest note)
+_NOTED = """
+if redis.call('HSETNX', KEYS[1], ARGV[1], 1) == 0 then return 0 end
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+redis.pcall('HPEXPIRE', KEYS[1], ARGV[2], 'FIELDS', 1, ARGV[1])
+return 1
+"""
 DELETE_TRIES = 5  # a delete that finds a relay begun on another destination reads `relays` again
 UPDATE_TRIES = 32  # a metadata change that finds another made meanwhile merges again (each round one wins)
 
@@ -424,8 +432,10 @@ class Store:
 
     @translated
     async def first_note(self, sid: str, message_id: str, ttl_ms: int) -> bool:
-        """Whether no note on message `message_id` was made in the last `ttl_ms` (one is now)."""
-        return bool(await self.redis.set(noted(sid, message_id), b"1", nx=True, px=ttl_ms))
+        """Whether no note on message `message_id` was made in the last `ttl_ms` (one is now).
+        The session's `noted` hash: a field a message, expiring (and all of it `ttl_ms` after the
+        newest; deleted with the session)."""
+        return bool(await self.redis.eval(_NOTED, 1, SessionKeys(sid).noted, message_id, ttl_ms))
 
     @translated
     async def turn_ended(self, sid: str, message_id: str) -> bool:

@@ -15,8 +15,9 @@ from redis.asyncio import Redis
 from channels.webhooks.slack import session_for
 from harness import Agent
 from harness.models import ModelReply, ModelRequest, ScriptedModel
-from tests.channels.slack_server import BOT, TEAM, FakeSlack, click_body, event_body, signed
-from tests.channels.slack_support import click, echo_agent, post_event, replies
+from tests.channels.slack_server import BOT, SECRET, TEAM, TOKEN, FakeSlack, click_body, event_body, signed
+from tests.channels.slack_support import click, echo_agent, post_event, relay_done, replies
+from tests.harness.session_keys import keys_of
 
 pytestmark = pytest.mark.asyncio
 
@@ -212,6 +213,31 @@ async def test_a_refused_mention_delivered_twice_is_told_of_once(keel: Any, slac
     await slack.until(lambda s: any(n["user"] == "U0ERIN" for n in s.ephemerals))
     assert [n["user"] for n in slack.ephemerals] == ["U0DAN", "U0ERIN"]
     gate.set()
+
+
+async def test_a_deleted_session_keeps_nothing_of_a_refused_message(serve: Any, slack: FakeSlack, redis: Redis) -> None:
+    """What makes a refused message's note once is the session's, and goes with it."""
+    gate = asyncio.Event()
+    live = await serve(
+        echo_agent(gate=gate),
+        slack_signing_secret=SECRET,
+        slack_bot_token=TOKEN,
+        slack_api_url=slack.url,
+        lease_ms=1000,
+        max_queued=1,
+    )
+    c = live.client()
+    root = "1700000060.000100"
+    await post_event(c, event_body(f"<@{BOT}> first", ts=root))
+    for text, ts in (("second", "1700000061.000100"), ("third", "1700000062.000100")):  # steered; refused
+        assert (await post_event(c, event_body(text, ts=ts, kind="message", thread_ts=root))).status_code == 200
+    await slack.until(lambda s: len(s.ephemerals) == 1)
+    sid = session_for(TEAM, "C0GENERAL", root)
+    await live.app.state.harness.sessions.delete(sid, f"slack:{TEAM}")
+    gate.set()
+    await relay_done(redis)  # (a relay that was delivering gives its lease back)
+    assert await keys_of(redis, sid) == set()
+    await c.aclose()
 
 
 async def test_approvers_setting_widens_who_may_decide(keel: Any, slack: FakeSlack) -> None:

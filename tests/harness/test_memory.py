@@ -122,6 +122,15 @@ async def test_a_waited_repeat_of_a_message_whose_turn_left_the_outbox_says_so_a
     assert kept.status == "completed" and kept.reply == "re: m59"
     assert len(await h.sessions.history(sid, "o")) == 2 * 61  # (nothing run again)
 
+    # a fork holds the messages it copied, not their turns' events: the same answer there
+    fork = await h.sessions.fork(sid, "o")
+    with pytest.raises(Conflict) as copied:
+        await asyncio.wait_for(
+            h.sessions.submit_and_wait(fork, "o", "m59", context=None, message_id="later-59", timeout=30), 5
+        )
+    assert copied.value.code == "turn_events_gone" and "fork" in str(copied.value)
+    assert len(await h.sessions.history(fork, "o")) == 2 * 61
+
 
 async def window_passed(redis: Redis, ms: int) -> None:
     """Until `ms` of the server's time passed from now: a probe field with that expiry is gone."""
