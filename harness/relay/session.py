@@ -16,7 +16,7 @@ from harness import failpoints
 from harness.aio import cancel_and_wait
 from harness.events import SETTLING, StoredEvent, TurnStarted
 from harness.relay.destination import Destination, Outbound, Undeliverable
-from harness.store import DeliveryState, streamids
+from harness.store import GONE, DeliveryState, streamids
 
 if TYPE_CHECKING:
     from harness.relay import Relay
@@ -194,7 +194,7 @@ class Session:
         relay, dest = self.relay, self.dest
         event = await relay.outbox.event(self.sid, event_id)
         if event is None:  # (listed again, so that it is not dropped unsaid: a retry clears it)
-            error = "the event left the outbox before it was retried (its retention, or its session ended)"
+            error = f"retried: {GONE}"
             relay.stats.dead += 1
             log.warning("relay: event %s of %s for %s: %s", event_id, self.sid, dest.name, error)
             await relay.deliveries.bury(self.sid, event_id, dest.name, error, 0, gone=True)

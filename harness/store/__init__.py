@@ -30,7 +30,7 @@ connection and error translation).
 
 from harness.store.catalog import cursor_of
 from harness.store.client import Client, connect, is_cluster_node, reachable
-from harness.store.deliveries import Deliveries, DeliveryState, Failing, relay_queue
+from harness.store.deliveries import GONE, Deliveries, DeliveryState, Failing, relay_queue
 from harness.store.hooks import Subscriptions, new_subscription
 from harness.store.hub import EventHub, Watch
 from harness.store.outbox import Outbox
@@ -61,6 +61,7 @@ from harness.store.types import (
 )
 
 __all__ = [
+    "GONE",
     "PAGE_MAX",
     "AlreadyAnswered",
     "AwaitingAnswers",

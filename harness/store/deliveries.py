@@ -55,13 +55,18 @@ class Failing(msgspec.Struct):
     retry_at: float
 
 
-# the dead letters named (field, value), each deleted only if it still holds that value
-_FORGET = """
-for i = 1, #ARGV, 2 do
-  if redis.call('HGET', KEYS[1], ARGV[i]) == ARGV[i + 1] then redis.call('HDEL', KEYS[1], ARGV[i]) end
+# the dead letters named (field, value read, new value), each changed only if it still holds the
+# value read: deleted (no new value) or replaced
+_SWAP = """
+for i = 1, #ARGV, 3 do
+  if redis.call('HGET', KEYS[1], ARGV[i]) == ARGV[i + 1] then
+    if ARGV[i + 2] == '' then redis.call('HDEL', KEYS[1], ARGV[i])
+    else redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 2]) end
+  end
 end
 return 1
 """
+GONE = "its event has since left the outbox (its retention, or its session ended): nothing to deliver again"
 
 
 def relay_job(sid: str, destination: str, event_id: str = "") -> tuple[str, ...]:
@@ -227,17 +232,34 @@ class Deliveries:
     async def retry(self, destination: str, *, session: str | None = None, event: str | None = None) -> int:
         """Ask the relays to deliver the destination's dead letters (those `dead` lists) again:
         each one is reconciled with the destination first, so one that did arrive is not posted
-        twice. Returns how many (losses and events gone, cleared, are not counted)."""
+        twice. Returns how many. A loss, or a letter whose event has left the outbox (`gone`),
+        has nothing to deliver again: the retry clears it; one whose event has left since it was
+        listed is listed again as gone (its error saying so), for the next retry to clear."""
         letters = await self._dead(destination, session, event)
         if not letters:
             return 0
+        maybe = [d for d, _ in letters if not (d.lost or d.gone)]
+        held = await self._held(maybe)
+        again = [d for d, h in zip(maybe, held, strict=True) if h]
+        gone = {d.field for d, h in zip(maybe, held, strict=True) if not h}
         # the jobs first: a letter goes only once its job is there (stopped between the two, a
-        # letter is listed still and its event delivered once all the same: reconciled first);
-        # a loss, or an event gone, has nothing to deliver again: the retry clears it
-        again = [d for d, _ in letters if not (d.lost or d.gone)]
+        # letter is listed still and its event delivered once all the same: reconciled first)
         if again:
             await self._write([relay_job(d.session_id, destination, d.event_id) for d in again])
         # each as it was read: one its relay listed again meanwhile (failed again) stays
-        fields = [x for d, v in letters for x in (d.field, v)]
-        await self._write([("EVAL", _FORGET, 1, dead_letters(destination), *fields)])
+        changes: list[Any] = []
+        for d, v in letters:
+            marked = msgspec.structs.replace(d, gone=True, error=f"{d.error[:300]}; {GONE}")
+            changes += [d.field, v, msgspec.json.encode(marked) if d.field in gone else b""]
+        await self._write([("EVAL", _SWAP, 1, dead_letters(destination), *changes)])
         return len(again)
+
+    async def _held(self, letters: list[DeadLetter]) -> list[bool]:
+        """Whether each letter's event is still in its session's outbox."""
+        if not letters:
+            return []
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for d in letters:
+                pipe.xrange(SessionKeys(d.session_id).outbox, d.event_id, d.event_id, count=1)
+            found = await pipe.execute()
+        return [bool(f) for f in found]

@@ -220,8 +220,9 @@ async def test_a_retry_keeps_a_failure_its_relay_listed_again_meanwhile(redis: R
     """The retry writes its jobs, then removes the failures it read: one a relay took the job
     of and listed again in between (it failed again at once, or its event had left) stays."""
     deliveries = Deliveries(redis)
-    await deliveries.bury("ses_a", "1-0", "wh:x", "refused", 3)
-    await deliveries.bury("ses_b", "1-0", "wh:x", "refused", 3)
+    for sid in ("ses_a", "ses_b"):
+        await redis.xadd(SessionKeys(sid).outbox, {"t": "session.created"}, id="1-0")  # (the events are kept)
+        await deliveries.bury(sid, "1-0", "wh:x", "refused", 3)
     write = deliveries._write
 
     async def a_fast_relay(commands: list[tuple[Any, ...]]) -> None:
@@ -233,3 +234,22 @@ async def test_a_retry_keeps_a_failure_its_relay_listed_again_meanwhile(redis: R
     assert await deliveries.retry("wh:x") == 2
     (letter,) = await deliveries.dead("wh:x")
     assert (letter.session_id, letter.error) == ("ses_a", "failed again")
+
+
+async def test_a_redelivery_whose_event_left_the_outbox_is_listed_again(make_harness: Any, redis: Redis) -> None:
+    """The event leaves the outbox between a retry and its relay's read (the retry checked it
+    was there): the failure is listed again as gone, not dropped; the next retry clears it."""
+    dest = Fake("fake", None, "ok")
+    h = await make_harness(echo_agent(), run_turns=False)
+    await h.start_relay([dest])
+    sid = await h.sessions.create("k")
+    await redis.execute_command(*relay_job(sid, "fake", "1-0"))  # (a redelivery of an event not there)
+
+    async def listed() -> bool:
+        return bool(await h.store.deliveries.dead("fake"))
+
+    await eventually(listed, 5.0)
+    (letter,) = await h.store.deliveries.dead("fake")
+    assert (letter.session_id, letter.event_id, letter.gone) == (sid, "1-0", True) and "left the outbox" in letter.error
+    assert await h.store.deliveries.retry("fake") == 0
+    assert await h.store.deliveries.dead("fake") == []

@@ -235,6 +235,7 @@ async def test_a_subscription_and_a_dead_letter_wait_for_a_replica(pair: Pair, l
         pair.resume_replica()
         await caught_up(primary, replica)
         await store.hooks.add(sub)
+        await primary.xadd(SessionKeys("ses_r5").outbox, {"t": "session.created"}, id="1-0")  # (still kept)
         await store.deliveries.bury("ses_r5", "1-0", "wh:wh_r5", "refused", 3)
         # acknowledged: the replica has them already
         assert await replica.hget(SUBS, "wh_r5") is not None
