@@ -248,9 +248,11 @@ class Deliveries:
             await self._write([relay_job(d.session_id, destination, d.event_id) for d in again])
         # each as it was read: one its relay listed again meanwhile (failed again) stays
         changes: list[Any] = []
-        for d, v in letters:
-            marked = msgspec.structs.replace(d, gone=True, error=f"{d.error[:300]}; {GONE}")
-            changes += [d.field, v, msgspec.json.encode(marked) if d.field in gone else b""]
+        for d, v in letters:  # (deleted, or a gone one marked so, its first error kept)
+            marked = (
+                msgspec.structs.replace(d, gone=True, error=f"{d.error[:300]}; {GONE}") if d.field in gone else None
+            )
+            changes += [d.field, v, msgspec.json.encode(marked) if marked is not None else b""]
         await self._write([("EVAL", _SWAP, 1, dead_letters(destination), *changes)])
         return len(again)
 
