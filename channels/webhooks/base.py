@@ -136,9 +136,9 @@ def endpoint(channel: WebhookChannel, route: str) -> Callable[[Request], Awaitab
                 raise  # a 503: the provider retries, and a retry is one message
             except KeelError as exc:
                 note = channel.rejected(call, exc)
-                # (a note on a message, once however often it comes: a Decide's is its `otherwise`'s)
-                said = call.otherwise if isinstance(call, Decide) and call.otherwise is not None else call
                 if note is not None:
+                    # (a note on a message, once however often it comes: a Decide's is its `otherwise`'s)
+                    said = call.otherwise if isinstance(call, Decide) and call.otherwise is not None else call
                     later.append(_once(harness, said, note) if isinstance(said, Submit) else note)
         return Response(b"", status_code=200, background=_after(later) if later else None)
 

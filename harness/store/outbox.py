@@ -97,10 +97,10 @@ class Outbox:
         With replicas, among those a replica has (`unshown`: all, for a look that shows none)."""
         keys, end, wanted = SessionKeys(sid), "+", {t.encode() for t in etypes}
         if self.wire.replicas is not None and not unshown:  # (from the newest event a replica has)
-            (shown,) = raised(await self.wire.call([("HGET", keys.meta, REPLICATED)]))
+            shown = await self._shown(keys)
             if shown is None:
                 return None
-            end = shown.decode()
+            end = shown
         looked = 0
         while looked < within:
             (raw,) = raised(await self.wire.call([("XREVRANGE", keys.outbox, end, "-", "COUNT", BATCH)]))
@@ -139,10 +139,14 @@ class Outbox:
         the newest a replica is known to have."""
         keys = SessionKeys(sid)
         if self.wire.replicas is not None:
-            (shown,) = raised(await self.wire.call([("HGET", keys.meta, REPLICATED)]))
-            return shown.decode() if shown is not None else streamids.START
+            return await self._shown(keys) or streamids.START
         (raw,) = raised(await self.wire.call([("XREVRANGE", keys.outbox, "+", "-", "COUNT", 1)]))
         return raw[0][0].decode() if raw else streamids.START
+
+    async def _shown(self, keys: SessionKeys) -> str | None:
+        """With replicas: the newest event a replica is known to have (its mark), if any."""
+        (shown,) = raised(await self.wire.call([("HGET", keys.meta, REPLICATED)]))
+        return shown.decode() if shown is not None else None
 
     @translated
     async def exists(self, sid: str) -> bool:
